@@ -1,0 +1,118 @@
+"""The schedule's data model: what a rank computes, in which order.
+
+A schedule is plain data so that three consumers can share one source of truth: the engine
+executes it, the simulator predicts its timeline, and the renderers draw it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class Op(str, Enum):
+    """Kind of compute step. ``W`` (weight-gradient half of a split backward) is reserved."""
+
+    F = "F"
+    B = "B"
+    W = "W"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class Action:
+    """One compute step of one rank: ``op`` on microbatch ``mb`` through local chunk ``chunk``.
+
+    ``chunk`` is the rank-local chunk index; the virtual stage it runs is ``chunk * pp + rank``
+    (see :meth:`Schedule.stage`).
+
+    Example:
+        >>> str(Action(Op.F, 3))
+        'F3'
+        >>> Action(Op.B, 5, 1).short(show_chunk=True)
+        'B5.1'
+    """
+
+    op: Op
+    mb: int
+    chunk: int = 0
+
+    def short(self, show_chunk: bool = False) -> str:
+        """Printable form used in grids and error messages: ``F3`` or, with chunks, ``F3.1``."""
+        base = f"{self.op.value}{self.mb}"
+        return f"{base}.{self.chunk}" if show_chunk else base
+
+    def describe(self) -> str:
+        """Long form for error messages, e.g. ``B mb=5 chunk=1``."""
+        return f"{self.op.value} mb={self.mb} chunk={self.chunk}"
+
+    def __str__(self) -> str:
+        return self.short(show_chunk=self.chunk != 0)
+
+    def to_dict(self) -> dict:
+        return {"op": self.op.value, "mb": self.mb, "chunk": self.chunk}
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """One ordered action list per pipeline rank, plus the shape it was built for.
+
+    Example:
+        >>> from lightning_pp.schedules import build_schedule
+        >>> s = build_schedule("1f1b", pp=2, microbatches=3)
+        >>> [str(a) for a in s.ranks[1]]
+        ['F0', 'B0', 'F1', 'B1', 'F2', 'B2']
+    """
+
+    name: str
+    pp: int
+    vpp: int
+    microbatches: int
+    ranks: tuple[tuple[Action, ...], ...]
+    group_size: int | None = None
+    meta: dict = field(default_factory=dict, compare=False)
+
+    @property
+    def num_stages(self) -> int:
+        """Number of virtual stages, ``pp * vpp``."""
+        return self.pp * self.vpp
+
+    def stage(self, rank: int, chunk: int) -> int:
+        """Virtual stage run by local ``chunk`` of ``rank`` (loop placement: ``chunk * pp + rank``)."""
+        return chunk * self.pp + rank
+
+    def locate(self, stage: int) -> tuple[int, int]:
+        """Inverse of :meth:`stage`: the ``(rank, chunk)`` holding virtual stage ``stage``."""
+        return stage % self.pp, stage // self.pp
+
+    @property
+    def interleaved(self) -> bool:
+        return self.vpp > 1
+
+    def forward_only(self) -> Schedule:
+        """The same order with backward steps removed: the evaluation schedule."""
+        return Schedule(
+            name=f"{self.name}-forward",
+            pp=self.pp,
+            vpp=self.vpp,
+            microbatches=self.microbatches,
+            ranks=tuple(tuple(a for a in r if a.op is Op.F) for r in self.ranks),
+            group_size=self.group_size,
+        )
+
+    def to_dict(self) -> dict:
+        return {
+            "schedule": self.name,
+            "pp": self.pp,
+            "vpp": self.vpp,
+            "microbatches": self.microbatches,
+            "ranks": [[a.to_dict() for a in r] for r in self.ranks],
+        }
+
+    def to_json(self, **extra) -> str:
+        d = self.to_dict()
+        d.update(extra)
+        return json.dumps(d)
