@@ -81,7 +81,7 @@ class Schedule:
         return self.pp * self.vpp
 
     def stage(self, rank: int, chunk: int) -> int:
-        """Virtual stage run by local ``chunk`` of ``rank`` (loop placement: ``chunk * pp + rank``)."""
+        """Virtual stage run by local ``chunk`` of ``rank``: ``chunk * pp + rank``."""
         return chunk * self.pp + rank
 
     def locate(self, stage: int) -> tuple[int, int]:

@@ -22,7 +22,8 @@ def gpipe(pp: int, microbatches: int, vpp: int = 1) -> Schedule:
     """All forwards, then all backwards (FIFO: microbatch 0 goes backward first).
 
     With ``vpp > 1`` chunks run breadth-first (all microbatches through chunk 0, then chunk 1, ...)
-    and backwards in reverse chunk order: the looped-BFS variant of GPipe.
+    and backwards in reverse chunk order: the looped-BFS variant of GPipe. Megatron-core has no
+    GPipe; this is the reference schedule (every rank holds all ``m * vpp`` activations).
     """
     _check_positive(pp=pp, vpp=vpp, microbatches=microbatches)
     m = microbatches
@@ -35,7 +36,11 @@ def gpipe(pp: int, microbatches: int, vpp: int = 1) -> Schedule:
 
 
 def one_f_one_b(pp: int, microbatches: int, vpp: int = 1) -> Schedule:
-    """Megatron's non-interleaved 1F1B (PipeDream-flush).
+    """Megatron-core's non-interleaved 1F1B (PipeDream-flush), action for action.
+
+    Follows ``forward_backward_pipelining_without_interleaving``: warmup
+    ``min(pp - r - 1, m)`` (so ``m < pp`` is accepted, as in Megatron), steady pairs
+    (forward ``warmup + i``, backward ``i``), cooldown backwards.
 
     Rank r runs ``min(pp - r - 1, m)`` warmup forwards: the later a stage, the sooner its first
     backward arrives, so the last stage needs none. Then it alternates one forward and one
@@ -65,28 +70,42 @@ def one_f_one_b(pp: int, microbatches: int, vpp: int = 1) -> Schedule:
 def interleaved_table(microbatches: int, vpp: int, group_size: int) -> list[tuple[int, int]]:
     """Megatron's ``get_schedule_table``: virtual microbatch k -> (microbatch, forward chunk).
 
-    Microbatches are taken in groups of ``group_size``; each group goes through chunk 0, then
-    chunk 1, ... The last group absorbs the remainder when ``m`` is not a multiple of the group.
+    Microbatches are taken in consecutive groups of ``group_size``; each group goes through
+    chunk 0, then chunk 1, ... The final group is simply shorter when ``m`` is not a multiple of
+    the group size (``m % N`` microbatches), exactly as in Megatron-core.
+
+    Example:
+        >>> interleaved_table(5, 2, 3)  # Megatron's own example: PP2 N3 M5 VP2
+        [(0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (2, 1), (3, 0), (4, 0), (3, 1), (4, 1)]
     """
     table: list[tuple[int, int]] = []
     for start in range(0, microbatches, group_size):
-        stop = microbatches if start + group_size >= microbatches else start + group_size
+        stop = min(start + group_size, microbatches)
         table += [(mb, c) for c in range(vpp) for mb in range(start, stop)]
-        if stop == microbatches:
-            break
     return table
 
 
-def interleaved(pp: int, microbatches: int, vpp: int = 2, group_size: int | None = None) -> Schedule:
-    """Megatron-core's interleaved 1F1B, action for action.
+def interleaved_warmup(pp: int, rank: int, microbatches: int, vpp: int, group_size: int) -> int:
+    """Forward steps rank ``rank`` runs before its first backward (Megatron-core's rule).
 
-    Chunk c of rank r is virtual stage ``c * pp + r``. Warmup on rank r is
-    ``2 * (pp - r - 1) + (vpp - 1) * N`` forwards, capped at ``m * vpp``: a forward must travel
-    through all later ranks twice (down the pipeline and, for the backward, back) before rank r's
-    first backward can start, and the other ``vpp - 1`` chunks of the first group of N
-    microbatches are scheduled before it. When ``m == pp`` everything is warmup (Megatron's
-    ``all_warmup_microbatches``). ``N`` (``group_size``) defaults to ``pp`` and must lie in
-    ``[pp, m]``.
+    ``2 * (pp - rank - 1)``: the first forward must cross every later rank and its gradient must
+    cross them back before this rank can run a backward; ``(vpp - 1) * N``: the first group's
+    forwards through the other chunks come first in the table. Capped at ``m * vpp``, in which case
+    the whole step is forward-then-backward (Megatron's ``are_all_microbatches_in_warmup``).
+    """
+    return min(2 * (pp - rank - 1) + (vpp - 1) * group_size, microbatches * vpp)
+
+
+def check_interleaved(pp: int, microbatches: int, vpp: int, group_size: int | None) -> int:
+    """Reject every shape Megatron-core's interleaved schedule rejects; return the group size N.
+
+    Rules (Megatron-core ``forward_backward_pipelining_with_interleaving``):
+
+    * it is only selected for ``pp > 1`` with a virtual pipeline, so ``pp >= 2`` and ``vpp >= 2``;
+    * ``microbatch_group_size_per_vp_stage`` N must lie in ``[pp, m]`` (default N = pp, so this
+      also requires ``m >= pp``);
+    * the last group, ``m % N``, must be 0 or at least ``pp``: a shorter group leaves dependency
+      bubbles (Megatron raises there too).
     """
     _check_positive(pp=pp, vpp=vpp, microbatches=microbatches)
     m = microbatches
@@ -96,6 +115,11 @@ def interleaved(pp: int, microbatches: int, vpp: int = 2, group_size: int | None
         raise ValueError(
             f"schedule 'interleaved' needs vpp >= 2 chunks per rank, got vpp={vpp}; "
             f"use schedule='1f1b' for vpp=1"
+        )
+    if pp < 2:
+        raise ValueError(
+            f"schedule 'interleaved' needs pp >= 2 ranks, got pp={pp} (vpp={vpp}); "
+            f"with a single rank there is no pipeline to interleave: use schedule='gpipe'"
         )
     if m < pp:
         raise ValueError(
@@ -107,28 +131,45 @@ def interleaved(pp: int, microbatches: int, vpp: int = 2, group_size: int | None
             f"interleaved group_size N must satisfy pp <= N <= microbatches: "
             f"got N={n}, pp={pp}, microbatches={m}"
         )
+    if 0 < m % n < pp:
+        raise ValueError(
+            f"interleaved: the last microbatch group would hold microbatches % N = {m} % {n} = "
+            f"{m % n} < pp={pp} microbatches, which stalls the pipeline; choose N dividing "
+            f"microbatches={m} or leaving a remainder >= pp"
+        )
+    return n
+
+
+def interleaved(
+    pp: int, microbatches: int, vpp: int = 2, group_size: int | None = None
+) -> Schedule:
+    """Megatron-core's interleaved 1F1B, action for action.
+
+    Chunk c of rank r is virtual stage ``c * pp + r``. Rank r walks the virtual microbatches
+    k = 0 .. m*vpp-1 of :func:`interleaved_table`: ``W`` warmup forwards
+    (:func:`interleaved_warmup`), then steady pairs (forward ``W + k``, backward ``k``), then the
+    cooldown backwards. Backward k runs chunk ``vpp - 1 - c`` of table entry k: gradients flow
+    through the chunks in reverse. Its microbatch is the oldest forward of that chunk not yet
+    backwarded (Megatron pops its stashes FIFO), which is the table's microbatch. ``N``
+    (``group_size``) defaults to ``pp``; see :func:`check_interleaved` for the accepted shapes.
+
+    Megatron-core dropped the old "``m == pp`` means all warmup" special case when it introduced
+    the group table: all-warmup now happens exactly when the warmup count reaches ``m * vpp``.
+    We follow the current rule.
+    """
+    n = check_interleaved(pp, microbatches, vpp, group_size)
+    m = microbatches
     table = interleaved_table(m, vpp, n)
     total = m * vpp
+    fwd = [Action(Op.F, mb, c) for mb, c in table]
+    bwd = [Action(Op.B, mb, vpp - 1 - c) for mb, c in table]
     ranks = []
     for r in range(pp):
-        if m == pp:
-            warmup = total
-        else:
-            warmup = min(2 * (pp - r - 1) + (vpp - 1) * n, total)
-
-        def fwd(k: int) -> Action:
-            mb, c = table[k]
-            return Action(Op.F, mb, c)
-
-        def bwd(k: int) -> Action:
-            mb, c = table[k]
-            return Action(Op.B, mb, vpp - 1 - c)
-
-        order = [fwd(k) for k in range(warmup)]
+        warmup = interleaved_warmup(pp, r, m, vpp, n)
+        order = fwd[:warmup]
         for k in range(total - warmup):
-            order.append(fwd(warmup + k))
-            order.append(bwd(k))
-        order += [bwd(k) for k in range(total - warmup, total)]
+            order += [fwd[warmup + k], bwd[k]]
+        order += bwd[total - warmup :]
         ranks.append(tuple(order))
     return Schedule("interleaved", pp, vpp, m, tuple(ranks), group_size=n)
 
