@@ -111,31 +111,32 @@ def check_interleaved(pp: int, microbatches: int, vpp: int, group_size: int | No
     m = microbatches
     n = pp if group_size is None else group_size
     _check_positive(group_size=n)
+    shape = f"(pp={pp}, vpp={vpp}, microbatches={m}, N={n})"
     if vpp < 2:
         raise ValueError(
-            f"schedule 'interleaved' needs vpp >= 2 chunks per rank, got vpp={vpp}; "
+            f"schedule 'interleaved' needs vpp >= 2 chunks per rank, got vpp={vpp} {shape}; "
             f"use schedule='1f1b' for vpp=1"
         )
     if pp < 2:
         raise ValueError(
-            f"schedule 'interleaved' needs pp >= 2 ranks, got pp={pp} (vpp={vpp}); "
-            f"with a single rank there is no pipeline to interleave: use schedule='gpipe'"
+            f"schedule 'interleaved' needs pp >= 2 ranks, got pp={pp} {shape}; with a single "
+            f"rank there is no pipeline to interleave: use schedule='gpipe'"
         )
     if m < pp:
         raise ValueError(
             f"interleaved schedule needs microbatches >= pp: got microbatches={m} < pp={pp} "
-            f"(raise microbatches to at least {pp})"
+            f"{shape}; raise microbatches to at least {pp}"
         )
     if not pp <= n <= m:
         raise ValueError(
-            f"interleaved group_size N must satisfy pp <= N <= microbatches: "
-            f"got N={n}, pp={pp}, microbatches={m}"
+            f"interleaved group size N must satisfy pp <= N <= microbatches: got N={n}, "
+            f"pp={pp}, microbatches={m} {shape}"
         )
     if 0 < m % n < pp:
         raise ValueError(
             f"interleaved: the last microbatch group would hold microbatches % N = {m} % {n} = "
-            f"{m % n} < pp={pp} microbatches, which stalls the pipeline; choose N dividing "
-            f"microbatches={m} or leaving a remainder >= pp"
+            f"{m % n} < pp={pp} microbatches, which stalls the pipeline {shape}; choose N "
+            f"dividing microbatches={m} (e.g. N={m}) or leaving a remainder >= pp"
         )
     return n
 

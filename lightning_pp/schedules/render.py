@@ -120,7 +120,10 @@ def render_gantt(
     cmap = plt.get_cmap("tab20" if len(mbs) > 10 else "tab10")
     colour = {mb: cmap(i % cmap.N) for i, mb in enumerate(mbs)}
 
-    fig_w = min(max(8.0, 0.28 * len(max(timeline, key=len, default=[])) + 2), 24.0)
+    # Size the figure so the shortest step gets ~0.33 in: wide enough for its label.
+    shortest = min((e - s for _, s, e in steps if e > s), default=span)
+    axes_w = min(max(6.0, 0.33 * span / shortest), 28.0)
+    fig_w = axes_w + 2.5  # room for rank labels and the legend
     fig, ax = plt.subplots(figsize=(fig_w, 0.6 * n_ranks + 1.6))
     for r, row in enumerate(timeline):
         y = n_ranks - 1 - r
@@ -138,8 +141,8 @@ def render_gantt(
                 linewidth=0.5,
             )
             label = a.short(show_chunk)
-            # Only label bars wide enough for the text (roughly 0.9% of the span per character).
-            if (end - start) / span * fig_w * 10 >= 0.9 * len(label) + 1:
+            # Only label bars wide enough for the text (~0.065 in per character at 7 pt).
+            if (end - start) / span * axes_w >= 0.065 * len(label) + 0.02:
                 ax.text(
                     (start + end) / 2 - t0,
                     y,

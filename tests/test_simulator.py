@@ -1,0 +1,223 @@
+"""Validator, simulator and renderers: closed forms, hand-computed timelines, broken schedules."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_pp.schedules import (
+    Action,
+    Costs,
+    Op,
+    Schedule,
+    ScheduleError,
+    build_schedule,
+    render_gantt,
+    render_grid,
+    simulate,
+    validate,
+)
+
+F, B = Op.F, Op.B
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def make(ranks, vpp=1, m=None, name="hand") -> Schedule:
+    ranks = tuple(tuple(Action(op, mb, c) for op, mb, c in r) for r in ranks)
+    if m is None:
+        m = 1 + max(a.mb for r in ranks for a in r)
+    return Schedule(name, len(ranks), vpp, m, ranks)
+
+
+# --- closed forms -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+def test_bubble_is_p_minus_1_over_m(name):
+    for pp in range(1, 7):
+        for m in range(1, 13):
+            r = simulate(build_schedule(name, pp=pp, microbatches=m))
+            assert r.bubble_ratio == pytest.approx((pp - 1) / m, abs=1e-9), (pp, m)
+
+
+def test_interleaved_bubble_is_p_minus_1_over_vm():
+    for pp in range(2, 6):
+        for vpp in range(2, 5):
+            for m in range(pp, 4 * pp + 1, pp):
+                r = simulate(build_schedule("interleaved", pp=pp, vpp=vpp, microbatches=m))
+                assert r.bubble_ratio == pytest.approx((pp - 1) / (vpp * m), abs=1e-9), (
+                    pp,
+                    vpp,
+                    m,
+                )
+
+
+def test_known_makespans():
+    one = simulate(build_schedule("1f1b", pp=4, microbatches=8), Costs(t_f=1.0, t_b=2.0))
+    assert one.makespan == pytest.approx(33.0, abs=1e-9)
+    inter = simulate(build_schedule("interleaved", pp=4, vpp=2, microbatches=8))
+    assert inter.makespan == pytest.approx(28.5, abs=1e-9)  # chunk costs 0.5 / 1.0
+    assert one.busy == [24.0] * 4 and inter.busy == [24.0] * 4
+
+
+def test_peak_inflight_formulas():
+    for pp in range(1, 6):
+        for m in range(1, 11):
+            one = simulate(build_schedule("1f1b", pp=pp, microbatches=m))
+            assert one.peak_inflight == [min(pp - r, m) for r in range(pp)]
+            for vpp in (1, 2, 3):
+                g = simulate(build_schedule("gpipe", pp=pp, vpp=vpp, microbatches=m))
+                assert g.peak_inflight == [m * vpp] * pp
+            if pp < 2:
+                continue
+            for vpp in (2, 3):
+                if m < pp or 0 < m % pp < pp:
+                    continue  # shapes Megatron rejects with the default N = pp
+                s = build_schedule("interleaved", pp=pp, vpp=vpp, microbatches=m)
+                warmup = [2 * (pp - r - 1) + (vpp - 1) * pp for r in range(pp)]
+                assert simulate(s).peak_inflight == [min(w + 1, m * vpp) for w in warmup]
+
+
+# --- hand-computed timelines --------------------------------------------------------------
+
+
+def test_latency_is_charged_on_cross_rank_dependencies():
+    # F0 r0 [0,1]; +0.5 -> F0 r1 [1.5,2.5]; B0 r1 [2.5,4.5]; +0.5 -> B0 r0 [5,7].
+    r = simulate(build_schedule("1f1b", pp=2, microbatches=1), Costs(latency=0.5))
+    assert [(s, e) for _, s, e in r.timeline[0]] == [(0.0, 1.0), (5.0, 7.0)]
+    assert [(s, e) for _, s, e in r.timeline[1]] == [(1.5, 2.5), (2.5, 4.5)]
+    assert r.makespan == 7.0
+    assert r.idle == [4.0, 4.0]
+
+
+def test_per_chunk_overrides_and_default_chunk_split():
+    slow = Costs(overrides={(1, 0): (3.0, 4.0)})
+    r = simulate(build_schedule("1f1b", pp=2, microbatches=1), slow)
+    assert r.makespan == 10.0  # 1 + 3 + 4 + 2
+    # One rank, two chunks: each chunk costs t/vpp (0.5 forward, 1.0 backward), no latency.
+    g = simulate(build_schedule("gpipe", pp=1, vpp=2, microbatches=1), Costs(latency=9.0))
+    assert [(str(a), s, e) for a, s, e in g.timeline[0]] == [
+        ("F0", 0.0, 0.5),
+        ("F0.1", 0.5, 1.0),
+        ("B0.1", 1.0, 2.0),
+        ("B0", 2.0, 3.0),
+    ]
+
+
+def test_event_driven_not_lockstep():
+    # Rank 1 waits only for what it needs: its F0 starts as soon as rank 0's F0 ends, even
+    # though rank 0 keeps working.
+    r = simulate(build_schedule("gpipe", pp=2, microbatches=3))
+    assert r.timeline[1][0][1:] == (1.0, 2.0)
+    assert r.timeline[1][1][1:] == (2.0, 3.0)
+
+
+def test_bad_costs_rejected():
+    with pytest.raises(ValueError, match="t_f must be >= 0, got -1"):
+        Costs(t_f=-1)
+    with pytest.raises(ValueError, match="latency"):
+        Costs(latency=float("nan"))
+
+
+# --- validator ------------------------------------------------------------------------------
+
+
+def test_generated_schedules_validate():
+    for name, kw in [
+        ("gpipe", dict(pp=3, vpp=2, microbatches=5)),
+        ("1f1b", dict(pp=4, microbatches=2)),
+        ("interleaved", dict(pp=3, vpp=3, microbatches=7, group_size=4)),
+    ]:
+        validate(build_schedule(name, **kw))
+
+
+def test_swapped_order_deadlocks_with_grid_and_stuck_steps():
+    s = make(
+        [
+            [(F, 0, 0), (B, 0, 0), (F, 1, 0), (B, 1, 0)],
+            [(F, 1, 0), (F, 0, 0), (B, 0, 0), (B, 1, 0)],
+        ]
+    )
+    with pytest.raises(ScheduleError) as err:
+        validate(s)
+    msg = str(err.value)
+    assert "deadlock" in msg
+    assert "rank 0: B mb=0 chunk=0 (step 1) waits for B mb=0 chunk=0 on rank 1" in msg
+    assert "rank 1: F mb=1 chunk=0 (step 0) waits for F mb=1 chunk=0 on rank 0" in msg
+    assert "> rank 0:  F0 [B0] F1  B1" in msg
+    assert "> rank 1: [F1] F0  B0  B1" in msg
+    assert err.value.marks == {0: 1, 1: 0}
+    assert isinstance(err.value, ValueError)
+    with pytest.raises(ScheduleError):  # the simulator reuses the same dry run
+        simulate(s)
+
+
+def test_missing_backward():
+    s = make([[(F, 0, 0), (F, 1, 0), (B, 0, 0)], [(F, 0, 0), (B, 0, 0), (F, 1, 0), (B, 1, 0)]])
+    with pytest.raises(ScheduleError, match=r"rank 0: missing B mb=1 chunk=0") as err:
+        validate(s)
+    assert "> rank 0:  F0 [F1] B0" in str(err.value)
+
+
+def test_duplicated_forward():
+    s = make([[(F, 0, 0), (F, 0, 0), (B, 0, 0)], [(F, 0, 0), (B, 0, 0)]])
+    with pytest.raises(ScheduleError, match=r"rank 0: F mb=0 chunk=0 \(step 1\): duplicated") as e:
+        validate(s)
+    assert "> rank 0:  F0 [F0] B0" in str(e.value)
+
+
+def test_backward_before_forward():
+    s = make([[(F, 0, 0), (B, 0, 0)], [(B, 0, 0), (F, 0, 0)]])
+    with pytest.raises(ScheduleError, match="rank 1: B mb=0 chunk=0 \\(step 0\\): backward before"):
+        validate(s)
+
+
+def test_out_of_range_and_unsupported_ops():
+    with pytest.raises(ScheduleError, match="chunk 1 out of range"):
+        validate(make([[(F, 0, 1), (B, 0, 1)]]))
+    with pytest.raises(ScheduleError, match="microbatch 3 out of range"):
+        validate(make([[(F, 3, 0), (B, 3, 0)]], m=2))
+    with pytest.raises(ScheduleError, match="only F and B"):
+        validate(make([[(F, 0, 0), (Op.W, 0, 0), (B, 0, 0)]]))
+    s = build_schedule("1f1b", pp=2, microbatches=2)
+    with pytest.raises(ScheduleError, match="1 rank lists but pp=2"):
+        validate(Schedule("1f1b", 2, 1, 2, s.ranks[:1]))
+
+
+# --- renderers ------------------------------------------------------------------------------
+
+
+def test_render_grid_shows_time_bubbles_and_metrics():
+    text = render_grid(build_schedule("1f1b", pp=4, microbatches=8))
+    lines = text.splitlines()
+    assert [ln.split(" |")[0] for ln in lines[:4]] == [f"rank {r}" for r in range(4)]
+    # Rank 0: four warmup forwards, then idle until B0 arrives (6 unit cells at t=4..10).
+    assert lines[0].split("| ")[1].split()[:11] == ["F0", "F1", "F2", "F3"] + ["."] * 6 + ["B0"]
+    cells = lines[3].split("| ")[1].split()
+    assert len(cells) == 33  # makespan / unit, trailing idle included
+    assert "bubble ratio:   0.3750" in text and "makespan:       33" in text
+    assert "peak in-flight: r0=4 r1=3 r2=2 r3=1" in text
+
+
+def test_render_grid_shows_chunks_for_interleaved():
+    r = simulate(build_schedule("interleaved", pp=2, vpp=2, microbatches=4))
+    text = render_grid(r, metrics=False)
+    assert text.splitlines()[0].split("| ")[1].split()[:4] == ["F0.0", "F1.0", "F0.1", "F1.1"]
+    assert "bubble" not in text
+
+
+def test_render_gantt_accepts_generic_measured_timeline(tmp_path):
+    measured = [
+        [(Action(F, 0), 0.0, 0.9), (Action(F, 1), 1.0, 2.1), (Action(B, 0), 3.2, 5.0)],
+        [(Action(F, 0), 1.1, 2.0), (Action(B, 0), 2.0, 3.1)],
+    ]
+    out = render_gantt(measured, tmp_path / "measured.png", title="measured")
+    data = out.read_bytes()
+    assert data[:8] == PNG_MAGIC and len(data) > 5000
+
+
+def test_render_gantt_from_simulation(tmp_path):
+    r = simulate(build_schedule("interleaved", pp=4, vpp=2, microbatches=8))
+    path = tmp_path / "inter.png"
+    render_gantt(r.timeline, path, title="interleaved")
+    data = path.read_bytes()
+    assert data[:8] == PNG_MAGIC and len(data) > 10000
