@@ -134,7 +134,7 @@ def test_swapped_order_deadlocks_with_grid_and_stuck_steps():
     s = make(
         [
             [(F, 0, 0), (B, 0, 0), (F, 1, 0), (B, 1, 0)],
-            [(F, 1, 0), (F, 0, 0), (B, 0, 0), (B, 1, 0)],
+            [(F, 1, 0), (F, 0, 0), (B, 1, 0), (B, 0, 0)],
         ]
     )
     with pytest.raises(ScheduleError) as err:
@@ -144,11 +144,22 @@ def test_swapped_order_deadlocks_with_grid_and_stuck_steps():
     assert "rank 0: B mb=0 chunk=0 (step 1) waits for B mb=0 chunk=0 on rank 1" in msg
     assert "rank 1: F mb=1 chunk=0 (step 0) waits for F mb=1 chunk=0 on rank 0" in msg
     assert "> rank 0:  F0 [B0] F1  B1" in msg
-    assert "> rank 1: [F1] F0  B0  B1" in msg
+    assert "> rank 1: [F1] F0  B1  B0" in msg
     assert err.value.marks == {0: 1, 1: 0}
     assert isinstance(err.value, ValueError)
     with pytest.raises(ScheduleError):  # the simulator reuses the same dry run
         simulate(s)
+
+
+def test_backward_out_of_fifo_order_is_rejected():
+    # Rank 1 runs B1 before B0 although F0 came first: the engine's FIFO stash would pair
+    # microbatch 1's gradient with microbatch 0's activations.
+    s = make(
+        [[(F, 0, 0), (F, 1, 0), (B, 0, 0), (B, 1, 0)], [(F, 0, 0), (F, 1, 0), (B, 1, 0), (B, 0, 0)]]
+    )
+    with pytest.raises(ScheduleError, match=r"rank 1: B mb=1 chunk=0 \(step 2\): .*FIFO") as err:
+        validate(s)
+    assert "oldest pending forward is mb=0" in str(err.value)
 
 
 def test_missing_backward():

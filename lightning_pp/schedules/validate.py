@@ -15,6 +15,7 @@ here with the grid printed and the stuck step of every rank marked.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 
 from .actions import Action, Op, Schedule
@@ -89,6 +90,9 @@ def check_structure(schedule: Schedule) -> None:
     for r, actions in enumerate(schedule.ranks):
         first_f: dict[tuple[int, int], int] = {}
         seen_b: dict[tuple[int, int], int] = {}
+        # The engine stashes (input, output) per chunk in a FIFO: a backward must take the oldest
+        # forward of its chunk, or it would silently pair a gradient with the wrong activations.
+        pending: dict[int, deque[int]] = {c: deque() for c in range(vpp)}
         for i, a in enumerate(actions):
             problem = None
             key = (a.mb, a.chunk)
@@ -104,9 +108,18 @@ def check_structure(schedule: Schedule) -> None:
                 problem = f"duplicated backward (first at step {seen_b[key]})"
             elif a.op is Op.B and key not in first_f:
                 problem = "backward before its forward on this rank"
+            elif a.op is Op.B and pending[a.chunk][0] != a.mb:
+                problem = (
+                    f"backwards of chunk {a.chunk} must follow its forwards in FIFO order: "
+                    f"the oldest pending forward is mb={pending[a.chunk][0]}"
+                )
             if problem:
                 raise _error(schedule, [f"rank {r}: {a.describe()} (step {i}): {problem}"], {r: i})
             (first_f if a.op is Op.F else seen_b)[key] = i
+            if a.op is Op.F:
+                pending[a.chunk].append(a.mb)
+            else:
+                pending[a.chunk].popleft()
         for c in range(vpp):
             for mb in range(m):
                 key = (mb, c)
