@@ -1,0 +1,467 @@
+"""Run one rank's part of a pipeline schedule for one batch.
+
+The executor is one loop over this rank's action list. Around each action it:
+
+1. waits for the receives the action needs (posted at the end of the previous action),
+2. computes (F: forward through one local chunk; B: backward of the OLDEST stashed forward of
+   that chunk),
+3. posts the action's sends TOGETHER with the receives of the next action in one batched call.
+
+Sends are never waited for before the end of the step (a send keeps its buffer alive itself);
+receives are waited for just before their data is needed. That is exactly the dry-run model of
+the schedule validator (sends never block, receives do), so every schedule the validator accepts
+runs here without deadlock.
+
+Example (every rank of the pipeline runs the same code)::
+
+    topo = PipelineTopology.from_world(dist.get_world_size(), dist.get_rank(), pp=2)
+    groups = build_process_groups(topo)
+    schedule = build_schedule("1f1b", pp=2, microbatches=4)
+    ranges = partition_layers(len(layers), pp=2, vpp=1)
+    chunks = [PipelineChunk([layers[i] for i in r], r)
+              for r in local_layer_indices(ranges, topo.pp_rank, 2, 1)]
+    engine = PipelineEngine(chunks, schedule, topo, groups,
+                            loss_fn=lambda out, mb: F.cross_entropy(out, mb[1]))
+    result = engine.train_step((x, y))   # grads accumulate into .grad; result.loss on all ranks
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .microbatch import batch_size_of, split_microbatches
+from .p2p import ACT, GRAD, Message, P2PCommunicator, PendingSend, RecvRequest, format_specs
+from .records import StepEvent, StepRecord
+from .schedules import Action, Op, Schedule
+from .topology import PipelineTopology, ProcessGroups
+
+__all__ = ["PipelineEngine", "PipelineStepError", "StepResult"]
+
+
+class PipelineStepError(RuntimeError):
+    """An action failed on this rank. The message names the rank and the action."""
+
+    def __init__(self, message: str, rank: int, action: Action | None) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.action = action
+
+
+@dataclass
+class StepResult:
+    """``loss``: detached fp32 full-batch loss (same on every pp rank). ``outputs``: per
+    microbatch last-stage outputs (``eval_step(collect_outputs=True)`` on the last stage only)."""
+
+    loss: torch.Tensor
+    record: StepRecord
+    outputs: list | None = None
+
+
+@dataclass
+class _Entry:
+    """One stashed forward: what its backward needs."""
+
+    mb: int
+    inputs: tuple[torch.Tensor, ...]  # received leaves (or first-stage inputs)
+    outputs: tuple[torch.Tensor, ...]  # outputs that take part in backward (or the scaled loss)
+    grad_positions: list[int]  # index of each of ``outputs`` among the floating outputs
+    out_specs: list[tuple[tuple[int, ...], torch.dtype]]  # every floating output's spec
+    saved_bytes: int = 0
+
+
+def _as_tuple(x: Any, what: str) -> tuple[tuple[torch.Tensor, ...], bool]:
+    if isinstance(x, torch.Tensor):
+        return (x,), False
+    if isinstance(x, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in x):
+        return tuple(x), True
+    raise TypeError(
+        f"{what} must be a tensor or a tuple of tensors to cross a stage boundary, got "
+        f"{type(x).__name__}"
+        + (f" of {[type(t).__name__ for t in x]}" if isinstance(x, (tuple, list)) else "")
+    )
+
+
+def _tensor_bytes(tensors) -> int:
+    seen, total = set(), 0
+    for t in tensors:
+        key = (t.data_ptr(), t.numel(), t.dtype)
+        if key not in seen:
+            seen.add(key)
+            total += t.numel() * t.element_size()
+    return total
+
+
+def _format_grid(schedule: Schedule, rank: int, index: int) -> str:
+    try:  # the schedules package's grid marks the failing step; fall back to a plain list
+        from .schedules.validate import format_grid
+
+        return format_grid(schedule, {rank: index})
+    except Exception:  # pragma: no cover - only when the validator module is unavailable
+        show = schedule.vpp > 1
+        return "\n".join(
+            f"rank {r}: " + " ".join(a.short(show) for a in acts)
+            for r, acts in enumerate(schedule.ranks)
+        )
+
+
+def _default_input_fn(mb: Any) -> Any:
+    return mb[0] if isinstance(mb, (tuple, list)) else mb
+
+
+class PipelineEngine:
+    """Executes a :class:`Schedule` on this rank's chunks with real point-to-point traffic.
+
+    Args:
+        chunks: this rank's local chunks, ``len(chunks) == schedule.vpp``; chunk ``c`` runs
+            virtual stage ``c * pp + pp_rank``.
+        schedule: the training schedule (eval uses ``schedule.forward_only()``).
+        topology, groups: where this rank sits; ``groups`` may be ``None`` when ``pp == 1``.
+        loss_fn: ``(last-stage output, microbatch) -> scalar loss`` of that microbatch.
+        input_fn: ``microbatch -> first layer input``; default ``mb[0]`` for a tuple/list batch,
+            else the microbatch itself.
+        loss_reduction: ``"mean"`` (each microbatch loss is a mean: scaled by
+            ``mb_size / batch_size``, exact for uneven splits) or ``"sum"`` (unscaled).
+        release_outputs: drop the storage of sent outputs from the stash (only ``grad_fn`` is
+            needed for backward) - Megatron's ``deallocate_output_tensor``.
+        on_chunk_grads_ready: ``hook(chunk)`` right after the LAST backward of each local chunk in
+            a step (deferred data-parallel gradient sync).
+        device: where receive buffers live; default: the first chunk's parameter device.
+        static_shapes: agree activation shapes once (see :mod:`lightning_pp.p2p`).
+        measure_memory: record bytes saved for backward (``saved_tensors_hooks``; small cost).
+
+    The batch given to ``train_step``/``eval_step`` must already be on ``device``; every rank of
+    a pipeline gets the same batch (the first stage reads inputs, the last stage the targets).
+    """
+
+    def __init__(
+        self,
+        chunks: Sequence[nn.Module],
+        schedule: Schedule,
+        topology: PipelineTopology,
+        groups: ProcessGroups | None,
+        *,
+        loss_fn: Callable[[Any, Any], torch.Tensor],
+        input_fn: Callable[[Any], Any] | None = None,
+        loss_reduction: str = "mean",
+        release_outputs: bool = True,
+        on_chunk_grads_ready: Callable[[int], None] | None = None,
+        device: torch.device | str | None = None,
+        static_shapes: bool = False,
+        measure_memory: bool = False,
+    ) -> None:
+        if schedule.pp != topology.pp:
+            raise ValueError(
+                f"schedule is for pp={schedule.pp} but the topology has pp={topology.pp}"
+            )
+        if len(chunks) != schedule.vpp:
+            raise ValueError(
+                f"rank {topology.rank}: got {len(chunks)} chunks but the schedule has "
+                f"vpp={schedule.vpp} chunks per rank"
+            )
+        if loss_reduction not in ("mean", "sum"):
+            raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+        ops = {a.op for a in schedule.ranks[topology.pp_rank]}
+        if Op.W in ops:
+            raise NotImplementedError("split backward (W steps) is not supported by this engine")
+        self.chunks = list(chunks)
+        self.schedule = schedule
+        self.topology = topology
+        self.groups = groups
+        self.loss_fn = loss_fn
+        self.input_fn = input_fn or _default_input_fn
+        self.loss_reduction = loss_reduction
+        self.release_outputs = release_outputs
+        self.on_chunk_grads_ready = on_chunk_grads_ready
+        self.measure_memory = measure_memory
+        if device is None:
+            params = [p for c in self.chunks for p in c.parameters()]
+            device = params[0].device if params else torch.device("cpu")
+        self.device = torch.device(device)
+        pp_group = groups.pp_group if groups is not None else None
+        self.comm = P2PCommunicator(
+            topology, pp_group, device=self.device, static_shapes=static_shapes
+        )
+        self._param_storages = {
+            p.untyped_storage().data_ptr() for c in self.chunks for p in c.parameters()
+        }
+
+    # -- geometry ------------------------------------------------------------------------------
+    @property
+    def pp(self) -> int:
+        return self.topology.pp
+
+    @property
+    def rank(self) -> int:
+        return self.topology.rank
+
+    def _stage(self, chunk: int) -> int:
+        return chunk * self.pp + self.topology.pp_rank
+
+    def _rank_of(self, stage: int) -> int:
+        return self.topology.global_rank(stage % self.pp)
+
+    def _last_backward_index(self, actions: Sequence[Action]) -> dict[int, int]:
+        last: dict[int, int] = {}
+        for i, a in enumerate(actions):
+            if a.op is Op.B:
+                last[a.chunk] = i
+        return last
+
+    # -- public steps --------------------------------------------------------------------------
+    def train_step(self, batch: Any) -> StepResult:
+        """Forward and backward over every microbatch; gradients ACCUMULATE into ``.grad``."""
+        return self._run(self.schedule, batch, train=True, collect=False)
+
+    @torch.no_grad()
+    def eval_step(self, batch: Any, *, collect_outputs: bool = False) -> StepResult:
+        """Forward only (``schedule.forward_only()``) under ``no_grad``; loss on every rank."""
+        return self._run(self.schedule.forward_only(), batch, train=False, collect=collect_outputs)
+
+    # -- the loop ------------------------------------------------------------------------------
+    def _run(self, schedule: Schedule, batch: Any, *, train: bool, collect: bool) -> StepResult:
+        record = StepRecord(self.rank, self.topology.pp_rank, schedule, t0=time.perf_counter())
+        actions = schedule.ranks[self.topology.pp_rank]
+        self._mbs = split_microbatches(batch, schedule.microbatches)
+        self._batch_size = batch_size_of(batch)
+        self._stash: list[deque[_Entry]] = [deque() for _ in self.chunks]
+        self._loss = torch.zeros((), dtype=torch.float32, device=self.device)
+        self._outputs: dict[int, Any] = {}
+        self._collect = collect
+        self._train = train
+        sends: list[PendingSend] = []
+        last_b = self._last_backward_index(actions) if train else {}
+        index, action = -1, None
+        try:
+            _, pending = self.comm.exchange([], self._needs(actions[0]) if actions else [])
+            for index, action in enumerate(actions):
+                start = time.perf_counter()
+                received = [p.wait() for p in pending]
+                wait = sum(p.waited for p in pending)
+                out_msgs = self._execute(action, received, pending)
+                nxt = self._needs(actions[index + 1]) if index + 1 < len(actions) else []
+                posted, pending = self.comm.exchange(out_msgs, nxt)
+                sends.append(posted)
+                if action.op is Op.F and train:
+                    self._release(action)
+                if train and last_b.get(action.chunk) == index and self.on_chunk_grads_ready:
+                    self.on_chunk_grads_ready(action.chunk)
+                sends = [s for s in sends if s.works and not s.done()]
+                record.events.append(self._event(action, start, wait, sends))
+                self._update_peaks(record)
+            index, action = len(actions), None
+            for s in sends:
+                s.wait()
+        except PipelineStepError:
+            raise
+        except Exception as e:
+            what = action.describe() if action is not None else "end of step"
+            raise PipelineStepError(
+                f"rank {self.rank} (pp_rank {self.topology.pp_rank}): {what}: "
+                f"{type(e).__name__}: {e}\nschedule '{schedule.name}' "
+                f"(this rank's failing step in brackets):\n"
+                f"{_format_grid(schedule, self.topology.pp_rank, index)}",
+                self.rank,
+                action,
+            ) from e
+        finally:
+            self._mbs = []
+        leftover = sum(len(q) for q in self._stash)
+        if leftover:
+            raise PipelineStepError(
+                f"rank {self.rank}: {leftover} forward(s) never went backward "
+                f"(stash per chunk: {[[e.mb for e in q] for q in self._stash]})",
+                self.rank,
+                None,
+            )
+        loss = self._broadcast_loss()
+        record.t1 = time.perf_counter()
+        outputs = None
+        if collect and self._is_last_stage_rank(schedule):
+            outputs = [self._outputs[i] for i in sorted(self._outputs)]
+        return StepResult(loss=loss, record=record, outputs=outputs)
+
+    def _is_last_stage_rank(self, schedule: Schedule) -> bool:
+        return self.topology.pp_rank == (schedule.num_stages - 1) % self.pp
+
+    def _needs(self, action: Action) -> list[RecvRequest]:
+        s = self._stage(action.chunk)
+        if action.op is Op.F:
+            if s == 0:
+                return []
+            return [RecvRequest(ACT, self._rank_of(s - 1), s, action.mb)]
+        if s == self.schedule.num_stages - 1:
+            return []
+        q = self._stash[action.chunk]
+        head = q[0] if q else None
+        self._check_fifo(action, head)
+        if not head.out_specs:  # no floating outputs: no gradient travels
+            return []
+        return [RecvRequest(GRAD, self._rank_of(s + 1), s + 1, action.mb, specs=head.out_specs)]
+
+    def _check_fifo(self, action: Action, head: _Entry | None) -> None:
+        if head is None or head.mb != action.mb:
+            stashed = [e.mb for e in self._stash[action.chunk]]
+            raise RuntimeError(
+                f"rank {self.rank}: {action.describe()}: backward order does not match forward "
+                f"order: the oldest stashed forward of chunk {action.chunk} is "
+                f"{'none' if head is None else f'mb={head.mb}'} (stash {stashed}); backward "
+                f"must pair FIFO with forward or the gradient would be silently wrong"
+            )
+
+    def _execute(self, action: Action, received, pending) -> list[Message]:
+        if action.op is Op.F:
+            return self._forward(action, received, pending)
+        return self._backward(action, received)
+
+    def _forward(self, action: Action, received, pending) -> list[Message]:
+        c, mb = action.chunk, action.mb
+        s = self._stage(c)
+        last = s == self.schedule.num_stages - 1
+        microbatch = self._mbs[mb]
+        if s == 0:
+            x = self.input_fn(microbatch)
+            inputs, _ = _as_tuple(x, f"input_fn(microbatch {mb})") if self._train else ((), False)
+        else:
+            tensors, p = received[0], pending[0]
+            inputs = tuple(
+                t.requires_grad_(True) if self._train and t.is_floating_point() else t
+                for t in tensors
+            )
+            x = inputs if p.is_tuple else inputs[0]
+        saved: dict[int, int] = {}
+        try:
+            if self.measure_memory and self._train:
+                with torch.autograd.graph.saved_tensors_hooks(self._pack(saved), lambda t: t):
+                    out = self.chunks[c](x)
+            else:
+                out = self.chunks[c](x)
+        except Exception as e:
+            if s == 0:
+                raise
+            p = pending[0]
+            raise RuntimeError(
+                f"forward of chunk {c} (stage {s}) failed on the input received from rank "
+                f"{p.request.peer} (stage {s - 1}) for mb={mb}: received "
+                f"{'tuple ' if p.is_tuple else ''}{format_specs(p.specs)}: {type(e).__name__}: {e}"
+            ) from e
+        if last:
+            loss = self.loss_fn(out, microbatch)
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                raise TypeError(f"loss_fn must return a scalar tensor, got {loss!r}")
+            scale = 1.0
+            if self.loss_reduction == "mean":
+                scale = batch_size_of(microbatch) / self._batch_size
+            scaled = loss.reshape(()) * scale
+            self._loss += scaled.detach().float()
+            if self._collect:
+                self._outputs[mb] = out.detach() if isinstance(out, torch.Tensor) else out
+            if self._train:
+                self._stash[c].append(_Entry(mb, inputs, (scaled,), [0], [], sum(saved.values())))
+            return []
+        outs, is_tuple = _as_tuple(out, f"output of chunk {c} (stage {s})")
+        if self._train:
+            floating = [t for t in outs if t.is_floating_point()]
+            grad_idx = [i for i, t in enumerate(floating) if t.requires_grad]
+            entry = _Entry(
+                mb,
+                inputs,
+                tuple(floating[i] for i in grad_idx),
+                grad_idx,
+                [(tuple(t.shape), t.dtype) for t in floating],
+                sum(saved.values()),
+            )
+            self._stash[c].append(entry)
+        return [Message(ACT, self._rank_of(s + 1), s + 1, mb, outs, is_tuple)]
+
+    def _pack(self, saved: dict[int, int]):
+        params = self._param_storages
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            st = t.untyped_storage()
+            ptr = st.data_ptr()
+            if ptr not in params:
+                saved[ptr] = st.nbytes()
+            return t
+
+        return pack
+
+    def _release(self, action: Action) -> None:
+        """Drop the stash's hold on the sent output storage (the send keeps its own alias).
+
+        Only the output's ``grad_fn`` is needed for backward. Skipped for views (their storage
+        belongs to another tensor) and for leaves (an input passed straight through).
+        """
+        if not self.release_outputs or self._stage(action.chunk) == self.schedule.num_stages - 1:
+            return
+        entry = self._stash[action.chunk][-1]
+        input_ptrs = {t.data_ptr() for t in entry.inputs}
+        for t in entry.outputs:
+            if t._base is None and t.grad_fn is not None and t.data_ptr() not in input_ptrs:
+                t.data = torch.empty(1, dtype=t.dtype, device=t.device)
+
+    def _backward(self, action: Action, received) -> list[Message]:
+        c, mb = action.chunk, action.mb
+        s = self._stage(c)
+        q = self._stash[c]
+        self._check_fifo(action, q[0] if q else None)
+        entry = q.popleft()
+        if s == self.schedule.num_stages - 1:
+            tensors = entry.outputs
+            grads = tuple(torch.ones_like(t) for t in tensors)
+        else:
+            all_grads = received[0] if received else ()
+            tensors = entry.outputs
+            grads = tuple(all_grads[i] for i in entry.grad_positions)
+        if tensors:
+            # The autograd engine directly: torch.autograd.backward would reject a released
+            # output whose storage no longer matches its gradient's shape.
+            torch.autograd.Variable._execution_engine.run_backward(
+                tensors, grads, False, False, (), True, True
+            )
+        if s == 0:
+            return []
+        in_grads = tuple(
+            (t.grad if t.grad is not None else torch.zeros_like(t))
+            for t in entry.inputs
+            if t.is_floating_point()
+        )
+        if not in_grads:
+            return []
+        return [Message(GRAD, self._rank_of(s - 1), s - 1, mb, in_grads, True)]
+
+    # -- bookkeeping ---------------------------------------------------------------------------
+    def _event(self, action: Action, start: float, wait: float, sends) -> StepEvent:
+        entries = [e for q in self._stash for e in q]
+        stash = _tensor_bytes([t for e in entries for t in (*e.inputs, *e.outputs)])
+        return StepEvent(
+            action=action,
+            start=start,
+            end=time.perf_counter(),
+            comm_wait=wait,
+            stash_bytes=stash,
+            saved_bytes=sum(e.saved_bytes for e in entries),
+            send_bytes=sum(s.nbytes for s in sends),
+            inflight=len(entries),
+        )
+
+    @staticmethod
+    def _update_peaks(record: StepRecord) -> None:
+        ev = record.events[-1]
+        record.peak_stash_bytes = max(record.peak_stash_bytes, ev.stash_bytes)
+        record.peak_saved_bytes = max(record.peak_saved_bytes, ev.saved_bytes)
+        record.peak_inflight = max(record.peak_inflight, ev.inflight)
+
+    def _broadcast_loss(self) -> torch.Tensor:
+        loss = self._loss
+        if self.pp > 1:
+            src = self.topology.global_rank(self.pp - 1)
+            dist.broadcast(loss, src=src, group=self.groups.pp_group)
+        return loss.detach()

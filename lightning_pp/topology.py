@@ -1,0 +1,185 @@
+"""World -> (pp, dp) grid, pipeline neighbours and process groups.
+
+Layout: pipeline-parallel is the OUTERMOST dimension (Megatron order)::
+
+    global_rank = pp_rank * dp + dp_rank
+
+so the ``dp`` replicas of one stage are adjacent global ranks. Launchers hand out adjacent ranks
+to the devices of one node, which keeps the data-parallel gradient all-reduce (large: every
+parameter, every step) inside a node on the fast interconnect, while only the pipeline's
+point-to-point traffic (small: one activation per microbatch) crosses node boundaries.
+
+Example:
+    >>> topo = PipelineTopology.from_world(world_size=8, rank=5, pp=4)
+    >>> (topo.dp, topo.pp_rank, topo.dp_rank)
+    (2, 2, 1)
+    >>> topo.pipeline_ranks, topo.dp_ranks
+    ([1, 3, 5, 7], [4, 5])
+    >>> topo.prev_rank, topo.next_rank
+    (3, 7)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+__all__ = ["PipelineTopology", "ProcessGroups", "build_process_groups"]
+
+
+@dataclass(frozen=True)
+class PipelineTopology:
+    """Where one rank sits in the ``pp x dp`` grid. Validates the numbers on construction."""
+
+    world_size: int
+    pp: int
+    dp: int
+    rank: int
+
+    def __post_init__(self) -> None:
+        for name in ("world_size", "pp", "dp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.pp * self.dp != self.world_size:
+            raise ValueError(
+                f"pp({self.pp}) * dp({self.dp}) != world_size({self.world_size}): "
+                f"the pipeline and data-parallel sizes must multiply to the number of processes"
+            )
+        if not isinstance(self.rank, int) or not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank({self.rank}) must lie in [0, world_size({self.world_size}))")
+
+    @classmethod
+    def from_world(
+        cls, world_size: int, rank: int, pp: int, dp: int | None = None
+    ) -> PipelineTopology:
+        """Build the topology, inferring ``dp = world_size // pp`` when not given."""
+        if dp is None:
+            if not isinstance(pp, int) or pp < 1:
+                raise ValueError(f"pp must be a positive integer, got {pp!r}")
+            if world_size % pp != 0:
+                raise ValueError(
+                    f"world_size({world_size}) is not divisible by pp({pp}): cannot infer dp "
+                    f"(world_size % pp = {world_size % pp})"
+                )
+            dp = world_size // pp
+        return cls(world_size=world_size, pp=pp, dp=dp, rank=rank)
+
+    @property
+    def pp_rank(self) -> int:
+        """Pipeline stage index of this rank (0 = first stage)."""
+        return self.rank // self.dp
+
+    @property
+    def dp_rank(self) -> int:
+        """Index of this rank among its stage's data-parallel replicas."""
+        return self.rank % self.dp
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+    def global_rank(self, pp_rank: int, dp_rank: int | None = None) -> int:
+        """Global rank of stage ``pp_rank`` in replica ``dp_rank`` (default: this rank's)."""
+        d = self.dp_rank if dp_rank is None else dp_rank
+        if not 0 <= pp_rank < self.pp or not 0 <= d < self.dp:
+            raise ValueError(
+                f"(pp_rank={pp_rank}, dp_rank={d}) outside grid pp={self.pp}, dp={self.dp}"
+            )
+        return pp_rank * self.dp + d
+
+    @property
+    def pipeline_ranks(self) -> list[int]:
+        """Global ranks of this rank's pipeline, in stage order."""
+        return [self.global_rank(p) for p in range(self.pp)]
+
+    @property
+    def dp_ranks(self) -> list[int]:
+        """Global ranks holding the same stage as this rank (its data-parallel replicas)."""
+        return [self.global_rank(self.pp_rank, d) for d in range(self.dp)]
+
+    @property
+    def prev_rank(self) -> int:
+        """Global rank of the previous stage; wraps (stage 0's previous is stage pp-1)."""
+        return self.global_rank((self.pp_rank - 1) % self.pp)
+
+    @property
+    def next_rank(self) -> int:
+        """Global rank of the next stage; wraps (stage pp-1's next is stage 0, for interleaving)."""
+        return self.global_rank((self.pp_rank + 1) % self.pp)
+
+    def all_pipelines(self) -> list[list[int]]:
+        """Every pipeline's global ranks (one list per dp replica)."""
+        return [[p * self.dp + d for p in range(self.pp)] for d in range(self.dp)]
+
+    def all_dp_groups(self) -> list[list[int]]:
+        """Every stage's replica ranks (one list per pp stage)."""
+        return [[p * self.dp + d for d in range(self.dp)] for p in range(self.pp)]
+
+
+@dataclass
+class ProcessGroups:
+    """The process groups this rank takes part in.
+
+    ``pp_group`` links this rank's pipeline (point-to-point traffic and the loss broadcast);
+    ``dp_group`` links the replicas of this rank's stage (gradient all-reduce).
+    """
+
+    topology: PipelineTopology
+    pp_group: Any
+    dp_group: Any
+    timeout: timedelta | None = None
+    _extra: dict[tuple[tuple[int, ...], ...], Any] = field(default_factory=dict, repr=False)
+
+    def new_groups(self, rank_lists: list[list[int]]) -> Any:
+        """Create one group per rank list (on EVERY rank, same order) and return this rank's.
+
+        torch requires every process to call ``new_group`` for every group, in the same order,
+        even for groups it is not part of. Results are cached, so calling this again with the
+        same lists on every rank is free. Returns ``None`` when this rank is in none of them.
+        """
+        import torch.distributed as dist
+
+        key = tuple(tuple(r) for r in rank_lists)
+        if key in self._extra:
+            return self._extra[key]
+        mine = None
+        for ranks in rank_lists:
+            g = dist.new_group(ranks=list(ranks), timeout=self.timeout)
+            if self.topology.rank in ranks:
+                mine = g
+        self._extra[key] = mine
+        return mine
+
+
+def build_process_groups(topo: PipelineTopology, timeout: timedelta | None = None) -> ProcessGroups:
+    """Create the pp and dp groups of ``topo``; every rank must call this, in the same order.
+
+    Requires ``torch.distributed`` to be initialized with ``world_size == topo.world_size``.
+    Groups that span the whole world reuse the default group (no new communicator).
+    """
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("build_process_groups needs torch.distributed to be initialized first")
+    if dist.get_world_size() != topo.world_size or dist.get_rank() != topo.rank:
+        raise ValueError(
+            f"topology (world_size={topo.world_size}, rank={topo.rank}) does not match the "
+            f"process group (world_size={dist.get_world_size()}, rank={dist.get_rank()})"
+        )
+    world = dist.group.WORLD
+    groups = ProcessGroups(topology=topo, pp_group=None, dp_group=None, timeout=timeout)
+    if topo.dp == 1:
+        groups.pp_group = world
+    else:
+        groups.pp_group = groups.new_groups(topo.all_pipelines())
+    if topo.pp == 1:
+        groups.dp_group = world
+    else:
+        groups.dp_group = groups.new_groups(topo.all_dp_groups())
+    return groups
