@@ -1,0 +1,327 @@
+"""Turn the engine's step records into numbers: bubble, expected bubble, memory, trace events.
+
+No Lightning and no ``torch.distributed`` here, so every formula is testable on hand-made
+records. The callbacks gather one :class:`~lightning_pp.records.StepRecord` per rank and call
+these functions.
+
+**Clocks.** Event times are ``time.perf_counter()`` of the recording process. On one Linux host
+that clock is system-wide (``CLOCK_MONOTONIC``), across hosts it is not. Every function here
+therefore takes ``offsets``: one reference time per record, subtracted from its times. The
+gathering helper (:func:`lightning_pp.callbacks.gather.gather_records`) takes the reference as
+``perf_counter()`` right after a barrier, i.e. one common instant on every rank (skew: the
+barrier's release spread, microseconds on one host), so offsets are taken *per step* and clock
+drift between hosts never accumulates. ``offsets=None`` means the times already share a clock.
+
+**Bubble, defined like the simulator's** ``bubble_ratio``. For one pipeline (one record per
+pipeline rank) the step window is ``[min t0, max t1]`` over its ranks (aligned), of length
+``span``. A rank's *compute* is the sum of its actions' durations minus the time they spent
+blocked on receives (:attr:`StepEvent.compute`); its *idle* time is ``span - compute`` (waiting
+on P2P, ramp-up/drain, the step's edges). Then::
+
+    bubble = sum(idle) / sum(compute)          # idle per unit of useful work, like simulate()
+    idle_fraction[r] = idle[r] / span          # share of the step rank r was not computing
+
+The *expected* bubble feeds the same schedule to :func:`~lightning_pp.schedules.simulate` with
+the MEASURED mean compute time of each ``(rank, chunk)`` forward and backward as cost overrides,
+so measured minus expected isolates what the schedule model does not capture (P2P latency,
+stragglers, host overhead between steps), not an uneven partition.
+
+Example:
+    >>> from lightning_pp.records import StepEvent, StepRecord
+    >>> from lightning_pp.schedules import build_schedule, simulate
+    >>> s = build_schedule("1f1b", pp=2, microbatches=2)
+    >>> sim = simulate(s)                     # t_f=1, t_b=2: a perfect "measurement"
+    >>> recs = [StepRecord(r, r, s, t0=0.0, t1=sim.makespan,
+    ...                    events=[StepEvent(a, t0, t1) for a, t0, t1 in sim.timeline[r]])
+    ...         for r in range(2)]
+    >>> stats = bubble_stats(recs)
+    >>> round(stats.bubble, 4), round(stats.expected_bubble, 4)
+    (0.5, 0.5)
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..records import StepEvent, StepRecord
+from ..schedules import Action, Costs, Op, Schedule, SimResult, simulate
+from ..schedules.simulate import peak_inflight
+
+__all__ = [
+    "BubbleStats",
+    "MemoryStats",
+    "bubble_stats",
+    "measured_costs",
+    "measured_timeline",
+    "memory_stats",
+    "split_pipelines",
+    "trace_events",
+]
+
+
+def _offsets(records: Sequence[StepRecord], offsets: Sequence[float] | None) -> list[float]:
+    if offsets is None:
+        return [0.0] * len(records)
+    if len(offsets) != len(records):
+        raise ValueError(f"got {len(offsets)} clock offsets for {len(records)} records")
+    return [float(o) for o in offsets]
+
+
+def _check_pipeline(records: Sequence[StepRecord]) -> Schedule:
+    if not records:
+        raise ValueError("need at least one step record")
+    schedule = records[0].schedule
+    ranks = sorted(r.pp_rank for r in records)
+    if ranks != list(range(schedule.pp)):
+        raise ValueError(
+            f"a pipeline needs one record per pipeline rank 0..{schedule.pp - 1}, got pp_ranks "
+            f"{ranks} (global ranks {[r.rank for r in records]})"
+        )
+    for rec in records:
+        expected = len(schedule.ranks[rec.pp_rank])
+        if len(rec.events) != expected:
+            raise ValueError(
+                f"rank {rec.rank} (pp_rank {rec.pp_rank}) recorded {len(rec.events)} events but "
+                f"its schedule has {expected} actions: the step did not complete"
+            )
+    return schedule
+
+
+def split_pipelines(records: Sequence[StepRecord], pp: int) -> list[list[int]]:
+    """Group a world's records (index = position) into pipelines, each in pipeline-rank order.
+
+    Uses the topology's layout ``global_rank = pp_rank * dp + dp_rank``.
+
+    Example:
+        >>> from lightning_pp.schedules import build_schedule
+        >>> s = build_schedule("1f1b", pp=2, microbatches=2)
+        >>> recs = [StepRecord(g, g // 2, s, t0=0.0) for g in range(4)]   # dp=2
+        >>> split_pipelines(recs, pp=2)
+        [[0, 2], [1, 3]]
+    """
+    if len(records) % pp:
+        raise ValueError(f"{len(records)} records cannot form pipelines of pp={pp}")
+    dp = len(records) // pp
+    lines: dict[int, dict[int, int]] = defaultdict(dict)
+    for i, rec in enumerate(records):
+        lines[rec.rank - rec.pp_rank * dp][rec.pp_rank] = i
+    return [[line[p] for p in range(pp)] for _, line in sorted(lines.items())]
+
+
+def measured_costs(records: Sequence[StepRecord]) -> Costs:
+    """Mean measured compute of each ``(pp_rank, chunk)`` forward and backward, as a cost model.
+
+    A pair that never ran a backward (a forward-only step) gets backward cost 0.
+
+    Example:
+        >>> from lightning_pp.schedules import build_schedule
+        >>> s = build_schedule("1f1b", pp=1, microbatches=2)
+        >>> ev = [StepEvent(a, 0.0, 1.0 if a.op is Op.F else 3.0) for a in s.ranks[0]]
+        >>> measured_costs([StepRecord(0, 0, s, 0.0, ev)]).overrides
+        {(0, 0): (1.0, 3.0)}
+    """
+    sums: dict[tuple[int, int, Op], list[float]] = defaultdict(list)
+    for rec in records:
+        for e in rec.events:
+            sums[(rec.pp_rank, e.action.chunk, e.action.op)].append(max(e.compute, 0.0))
+    keys = sorted({(r, c) for r, c, _ in sums})
+
+    def mean(values: list[float]) -> float:
+        return sum(values) / len(values) if values else 0.0
+
+    overrides = {(r, c): (mean(sums[(r, c, Op.F)]), mean(sums[(r, c, Op.B)])) for r, c in keys}
+    total = sum(tf + tb for tf, tb in overrides.values())
+    if total <= 0:  # all-zero measurement (a mocked clock): keep Costs' own validation happy
+        return Costs()
+    return Costs(overrides=overrides)
+
+
+@dataclass(frozen=True)
+class BubbleStats:
+    """Measured vs expected bubble of one pipeline for one step (times in seconds).
+
+    Per-rank lists are indexed by pipeline rank. ``bubble`` and ``expected_bubble`` are
+    idle/compute ratios (see the module docstring); ``idle_fraction`` is idle/span per rank.
+    ``start_skew`` is how far apart the ranks entered the step (max - min aligned ``t0``).
+    """
+
+    span: float
+    compute: list[float]
+    comm_wait: list[float]
+    idle: list[float]
+    idle_fraction: list[float]
+    bubble: float
+    expected_bubble: float
+    expected_makespan: float
+    start_skew: float
+    expected: SimResult
+
+    @property
+    def total_compute(self) -> float:
+        return sum(self.compute)
+
+
+def bubble_stats(
+    records: Sequence[StepRecord], offsets: Sequence[float] | None = None
+) -> BubbleStats:
+    """Measured bubble of one pipeline's step and the simulator's expectation for it.
+
+    ``records``: one record per pipeline rank (any order) from the same step; ``offsets``: each
+    record's clock reference (see the module docstring).
+    """
+    schedule = _check_pipeline(records)
+    offs = _offsets(records, offsets)
+    order = sorted(range(len(records)), key=lambda i: records[i].pp_rank)
+    recs = [records[i] for i in order]
+    offs = [offs[i] for i in order]
+    t0s = [r.t0 - o for r, o in zip(recs, offs)]
+    t1s = [max(r.t1, r.events[-1].end if r.events else r.t0) - o for r, o in zip(recs, offs)]
+    span = max(t1s) - min(t0s)
+    compute = [sum(max(e.compute, 0.0) for e in r.events) for r in recs]
+    comm_wait = [r.comm_wait for r in recs]
+    idle = [max(span - c, 0.0) for c in compute]
+    total = sum(compute)
+    bubble = sum(idle) / total if total > 0 else 0.0
+    expected = simulate(schedule, measured_costs(recs))
+    return BubbleStats(
+        span=span,
+        compute=compute,
+        comm_wait=comm_wait,
+        idle=idle,
+        idle_fraction=[i / span if span > 0 else 0.0 for i in idle],
+        bubble=bubble,
+        expected_bubble=expected.bubble_ratio,
+        expected_makespan=expected.makespan,
+        start_skew=max(t0s) - min(t0s),
+        expected=expected,
+    )
+
+
+def measured_timeline(
+    records: Sequence[StepRecord],
+    offsets: Sequence[float] | None = None,
+    scale: float = 1.0,
+) -> list[list[tuple[Action, float, float]]]:
+    """One pipeline's measured timeline in the simulator's format, ordered by pipeline rank.
+
+    Times are relative to the earliest aligned ``t0`` and multiplied by ``scale`` (``1e3`` for
+    milliseconds). Feed it to :func:`~lightning_pp.schedules.render_gantt`.
+    """
+    offs = _offsets(records, offsets)
+    order = sorted(range(len(records)), key=lambda i: records[i].pp_rank)
+    base = min(records[i].t0 - offs[i] for i in order)
+    return [
+        [
+            (e.action, (e.start - offs[i] - base) * scale, (e.end - offs[i] - base) * scale)
+            for e in records[i].events
+        ]
+        for i in order
+    ]
+
+
+@dataclass(frozen=True)
+class MemoryStats:
+    """One rank's activation memory during one step.
+
+    ``saved_bytes``: peak bytes autograd saved for backward over the live stash (the engine's
+    ``measure_memory`` storage accounting; 0 when it was off). ``stash_bytes``: peak bytes of the
+    stashed (input, output) tensors. ``send_bytes``: peak bytes held by sends not yet completed.
+    ``inflight``: peak microbatch-chunks forwarded but not yet backwarded; ``inflight_bound``:
+    the schedule's theoretical peak for this rank (:func:`~lightning_pp.schedules.peak_inflight`).
+    """
+
+    rank: int
+    pp_rank: int
+    saved_bytes: int
+    stash_bytes: int
+    send_bytes: int
+    inflight: int
+    inflight_bound: int
+
+
+def memory_stats(record: StepRecord) -> MemoryStats:
+    """Peaks of one rank's step record, with the schedule's in-flight bound beside them."""
+    return MemoryStats(
+        rank=record.rank,
+        pp_rank=record.pp_rank,
+        saved_bytes=record.peak_saved_bytes,
+        stash_bytes=record.peak_stash_bytes,
+        send_bytes=max((e.send_bytes for e in record.events), default=0),
+        inflight=record.peak_inflight,
+        inflight_bound=peak_inflight(record.schedule)[record.pp_rank],
+    )
+
+
+def _event_args(rec: StepRecord, e: StepEvent) -> dict:
+    return {
+        "mb": e.action.mb,
+        "chunk": e.action.chunk,
+        "stage": rec.schedule.stage(rec.pp_rank, e.action.chunk),
+        "comm_wait_ms": round(e.comm_wait * 1e3, 4),
+        "stash_bytes": e.stash_bytes,
+        "saved_bytes": e.saved_bytes,
+        "inflight": e.inflight,
+    }
+
+
+def trace_events(
+    records: Sequence[StepRecord],
+    offsets: Sequence[float] | None = None,
+    step: int | None = None,
+) -> dict:
+    """Chrome / Perfetto trace-event JSON object for one step of any number of ranks.
+
+    One process track per global rank (``pid`` = rank, ``tid`` 0, named
+    ``rank R (pp P)``); one complete (``"X"``) event per action named like ``F3`` or, with
+    interleaving, ``F3.1`` (``ts``/``dur`` in microseconds from the earliest aligned ``t0``, args
+    with mb, chunk, stage, comm_wait_ms, stash/saved bytes, in-flight); a nested ``wait`` slice
+    covers the part of an action blocked on receives (receives are waited for first). Open the
+    file in https://ui.perfetto.dev or ``chrome://tracing``.
+    """
+    offs = _offsets(records, offsets)
+    base = min((r.t0 - o for r, o in zip(records, offs)), default=0.0)
+    events: list[dict] = []
+    for rec, off in sorted(zip(records, offs), key=lambda p: p[0].rank):
+        pid = rec.rank
+        label = f"rank {rec.rank} (pp {rec.pp_rank})"
+        events.append({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": label}})
+        events.append(
+            {"ph": "M", "name": "process_sort_index", "pid": pid, "args": {"sort_index": rec.rank}}
+        )
+        events.append(
+            {"ph": "M", "name": "thread_name", "pid": pid, "tid": 0, "args": {"name": "pipeline"}}
+        )
+        show_chunk = rec.schedule.vpp > 1
+        for e in rec.events:
+            ts = (e.start - off - base) * 1e6
+            events.append(
+                {
+                    "ph": "X",
+                    "name": e.action.short(show_chunk),
+                    "cat": "forward" if e.action.op is Op.F else "backward",
+                    "pid": pid,
+                    "tid": 0,
+                    "ts": round(ts, 3),
+                    "dur": round(max(e.duration, 0.0) * 1e6, 3),
+                    "args": _event_args(rec, e),
+                }
+            )
+            if e.comm_wait > 0:
+                events.append(
+                    {
+                        "ph": "X",
+                        "name": "wait",
+                        "cat": "p2p",
+                        "pid": pid,
+                        "tid": 0,
+                        "ts": round(ts, 3),
+                        "dur": round(e.comm_wait * 1e6, 3),
+                    }
+                )
+    meta = {"step": step} if step is not None else {}
+    if records:
+        s = records[0].schedule
+        meta.update(schedule=s.name, pp=s.pp, vpp=s.vpp, microbatches=s.microbatches)
+    return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": meta}
