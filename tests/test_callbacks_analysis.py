@@ -1,0 +1,218 @@
+"""The callbacks' maths on step records built from simulated timelines (no processes, no Lightning).
+
+A simulated timeline is a perfect measurement: the analysis must give back the simulator's own
+numbers, whatever clock each rank used, and must see extra delays the model does not know about.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lightning_pp.callbacks.analysis import (
+    bubble_stats,
+    measured_costs,
+    measured_timeline,
+    memory_stats,
+    split_pipelines,
+    trace_events,
+)
+from lightning_pp.callbacks.gather import _pack, _unpack, gather_records
+from lightning_pp.records import StepEvent, StepRecord
+from lightning_pp.schedules import Costs, Op, build_schedule, render_gantt, simulate
+
+SHAPES = [("gpipe", 1, 8), ("1f1b", 1, 8), ("1f1b", 1, 5), ("interleaved", 2, 8)]
+
+
+def records_from_sim(sim, clock_shift=(), wait_as_comm=True, rank_base=0, dp=1, dp_rank=0):
+    """One record per rank from a simulated run.
+
+    With ``wait_as_comm`` each action starts where the previous one ended and the gap becomes
+    its ``comm_wait`` (how the engine records a receive it blocked on). ``clock_shift[r]`` is
+    added to every time of rank r (a process-local clock).
+    """
+    recs = []
+    for r, steps in enumerate(sim.timeline):
+        shift = clock_shift[r] if clock_shift else 0.0
+        events, prev = [], 0.0
+        for a, start, end in steps:
+            begin = prev if wait_as_comm else start
+            events.append(StepEvent(a, begin + shift, end + shift, comm_wait=start - begin))
+            prev = end
+        recs.append(
+            StepRecord(
+                r * dp + dp_rank, r, sim.schedule, t0=shift, t1=sim.makespan + shift, events=events
+            )
+        )
+    return recs
+
+
+@pytest.mark.parametrize("name,vpp,m", SHAPES)
+def test_perfect_measurement_reproduces_simulator(name, vpp, m):
+    s = build_schedule(name, pp=4, vpp=vpp, microbatches=m)
+    sim = simulate(s, Costs(t_f=3.0, t_b=5.0))
+    stats = bubble_stats(records_from_sim(sim))
+    assert stats.bubble == pytest.approx(sim.bubble_ratio, rel=1e-12)
+    assert stats.expected_bubble == pytest.approx(sim.bubble_ratio, rel=1e-12)
+    assert stats.span == pytest.approx(sim.makespan)
+    assert stats.compute == pytest.approx(sim.busy)
+    assert [i / stats.span for i in sim.idle] == pytest.approx(stats.idle_fraction)
+    assert sum(stats.comm_wait) > 0  # the gaps were recorded as waits and excluded from compute
+
+
+def test_uneven_measured_costs_feed_the_expectation():
+    s = build_schedule("1f1b", pp=4, microbatches=8)
+    overrides = {(0, 0): (1.0, 2.0), (1, 0): (2.0, 4.0), (2, 0): (1.0, 2.0), (3, 0): (1.5, 2.0)}
+    sim = simulate(s, Costs(overrides=overrides))
+    recs = records_from_sim(sim)
+    assert measured_costs(recs).overrides == pytest.approx(overrides)
+    stats = bubble_stats(recs)
+    assert stats.expected_bubble == pytest.approx(sim.bubble_ratio)
+    # A uniform cost model would predict the textbook (p-1)/m, not what this partition does.
+    assert stats.expected_bubble != pytest.approx(3 / 8)
+    assert stats.bubble == pytest.approx(sim.bubble_ratio)
+
+
+def test_offsets_align_process_local_clocks():
+    s = build_schedule("interleaved", pp=4, vpp=2, microbatches=8)
+    sim = simulate(s)
+    shifts = [1000.0, -3.5, 42.0, 7e6]
+    shifted = records_from_sim(sim, clock_shift=shifts)
+    aligned = bubble_stats(shifted, offsets=shifts)
+    assert aligned.bubble == pytest.approx(sim.bubble_ratio)
+    assert aligned.start_skew == pytest.approx(0.0, abs=1e-6)
+    # Without the offsets the same records look like a very different (wrong) step.
+    assert bubble_stats(shifted).bubble > 100 * sim.bubble_ratio
+    gapped = records_from_sim(sim, clock_shift=shifts, wait_as_comm=False)
+    timeline = measured_timeline(gapped, shifts)
+    for got, want in zip(timeline, sim.timeline):
+        assert [(a, round(t0, 6), round(t1, 6)) for a, t0, t1 in got] == [
+            (a, round(t0, 6), round(t1, 6)) for a, t0, t1 in want
+        ]
+
+
+def test_unmodelled_latency_shows_as_extra_bubble():
+    s = build_schedule("1f1b", pp=4, microbatches=8)
+    real = simulate(s, Costs(t_f=1.0, t_b=2.0, latency=0.25))  # what "happened"
+    stats = bubble_stats(records_from_sim(real))
+    # The expectation knows the measured compute times but not the P2P latency.
+    assert stats.expected_bubble == pytest.approx(simulate(s).bubble_ratio)
+    assert stats.bubble == pytest.approx(real.bubble_ratio)
+    assert stats.bubble > stats.expected_bubble + 0.05
+
+
+def test_late_rank_counts_as_idle_for_everyone_else():
+    s = build_schedule("1f1b", pp=2, microbatches=4)
+    sim = simulate(s)
+    recs = records_from_sim(sim)
+    recs[1].t1 += 2.0  # rank 1 finishes its step 2 time units late (e.g. a slow loss broadcast)
+    stats = bubble_stats(recs)
+    assert stats.span == pytest.approx(sim.makespan + 2.0)
+    assert stats.idle == pytest.approx([i + 2.0 for i in sim.idle])
+
+
+def test_bad_records_are_rejected_with_numbers():
+    s = build_schedule("1f1b", pp=4, microbatches=4)
+    recs = records_from_sim(simulate(s))
+    with pytest.raises(ValueError, match=r"pp_ranks \[0, 1, 2\]"):
+        bubble_stats(recs[:3])
+    recs[2].events.pop()
+    with pytest.raises(ValueError, match=r"rank 2 .* recorded 7 events .* 8 actions"):
+        bubble_stats(recs)
+    with pytest.raises(ValueError, match="3 clock offsets for 4 records"):
+        bubble_stats(records_from_sim(simulate(s)), offsets=[0.0] * 3)
+
+
+def test_split_pipelines_follows_topology_layout():
+    s = build_schedule("1f1b", pp=2, microbatches=4)
+    sim = simulate(s)
+    world = []
+    for d in range(3):
+        world += records_from_sim(sim, dp=3, dp_rank=d)
+    world.sort(key=lambda r: r.rank)
+    lines = split_pipelines(world, pp=2)
+    assert lines == [[0, 3], [1, 4], [2, 5]]
+    for line in lines:
+        assert [world[i].pp_rank for i in line] == [0, 1]
+        assert bubble_stats([world[i] for i in line]).bubble == pytest.approx(sim.bubble_ratio)
+
+
+@pytest.mark.parametrize("name,vpp,m", SHAPES)
+def test_memory_stats_report_peaks_and_schedule_bound(name, vpp, m):
+    s = build_schedule(name, pp=4, vpp=vpp, microbatches=m)
+    bound = simulate(s).peak_inflight
+    for r, actions in enumerate(s.ranks):
+        live, events = 0, []
+        for a in actions:
+            live += 1 if a.op is Op.F else -1
+            events.append(
+                StepEvent(
+                    a,
+                    0,
+                    0,
+                    stash_bytes=10 * live,
+                    saved_bytes=100 * live,
+                    send_bytes=7,
+                    inflight=live,
+                )
+            )
+        rec = StepRecord(
+            r,
+            r,
+            s,
+            t0=0.0,
+            events=events,
+            peak_stash_bytes=10 * bound[r],
+            peak_saved_bytes=100 * bound[r],
+            peak_inflight=bound[r],
+        )
+        st = memory_stats(rec)
+        assert (st.inflight, st.inflight_bound) == (bound[r], bound[r])
+        assert (st.saved_bytes, st.stash_bytes, st.send_bytes) == (100 * bound[r], 10 * bound[r], 7)
+
+
+def test_trace_events_one_track_per_rank():
+    s = build_schedule("interleaved", pp=4, vpp=2, microbatches=8)
+    sim = simulate(s, Costs(t_f=0.004, t_b=0.008, latency=0.0005))
+    shifts = [5.0, 9.0, 1.0, 3.0]
+    recs = records_from_sim(sim, clock_shift=shifts)
+    trace = json.loads(json.dumps(trace_events(recs, shifts, step=7)))
+    assert trace["otherData"] == {
+        "step": 7,
+        "schedule": s.name,
+        "pp": 4,
+        "vpp": 2,
+        "microbatches": 8,
+    }
+    events = trace["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
+    assert names == {r: f"rank {r} (pp {r})" for r in range(4)}
+    for r in range(4):
+        slices = [e for e in events if e["ph"] == "X" and e["pid"] == r and e["name"] != "wait"]
+        assert {e["tid"] for e in slices} == {0}
+        assert [e["name"] for e in slices] == [a.short(True) for a in s.ranks[r]]
+        for e, (a, _start, end) in zip(slices, sim.timeline[r]):
+            assert e["ts"] + e["dur"] == pytest.approx(end * 1e6, abs=0.01)  # microseconds
+            assert e["args"]["mb"] == a.mb and e["args"]["chunk"] == a.chunk
+            assert e["args"]["stage"] == s.stage(r, a.chunk)
+        waits = [e for e in events if e["pid"] == r and e["name"] == "wait"]
+        assert sum(w["dur"] for w in waits) == pytest.approx(
+            sum(e.comm_wait for e in recs[r].events) * 1e6, abs=0.1
+        )
+
+
+def test_measured_timeline_renders_png(tmp_path):
+    s = build_schedule("1f1b", pp=4, microbatches=8)
+    recs = records_from_sim(simulate(s, Costs(t_f=0.03, t_b=0.06)))
+    path = render_gantt(measured_timeline(recs, scale=1e3), tmp_path / "t.png", title="x")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_pack_roundtrip_and_single_process_gather():
+    s = build_schedule("interleaved", pp=4, vpp=2, microbatches=4)
+    rec = records_from_sim(simulate(s))[2]
+    rec.peak_saved_bytes, rec.peak_inflight = 123, 4
+    assert _unpack(_pack(rec), s) == rec
+    step = gather_records(rec, {"x": 1})  # no process group: this rank alone
+    assert step.records == [rec] and step.offsets == [0.0] and step.extras == [{"x": 1}]
