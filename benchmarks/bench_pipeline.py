@@ -1,0 +1,231 @@
+"""Pipeline step benchmark: lightning_pp vs torch.distributed.pipelining, same run, alternating.
+
+For every pipeline size ``pp`` one process group of ``pp`` ranks is spawned and runs every
+(schedule, microbatches) configuration. Per configuration both implementations are built from
+the same layers and data; then ``rounds`` blocks of steps run, alternating the implementation
+(ABBA order) so machine noise hits both alike. Each block starts with warmup steps that are not
+measured. Output: one JSON object per (configuration, implementation) line in ``--out``.
+
+Usage:
+    python benchmarks/bench_pipeline.py --workload sleep --pp 2 4 --microbatches 4 8 16 \
+        --schedules gpipe 1f1b interleaved --out benchmarks/results/raw_sleep.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import dataclass
+
+if __package__ in (None, ""):  # run as a script: make `benchmarks` and `lightning_pp` importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch
+
+from benchmarks.harness import (
+    Instrumented,
+    RankStats,
+    gather_floats,
+    launch,
+    machine_info,
+    timed_step,
+)
+from benchmarks.peer_torch import stage_layers
+from benchmarks.workloads import Workload
+
+IMPLS = ("ours", "torch")
+SCHEDULE_VPP = {"gpipe": 1, "1f1b": 1, "interleaved": 2}
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """Everything a worker needs (picklable)."""
+
+    workload: Workload
+    pp: int
+    configs: tuple[tuple[str, int], ...]  # (schedule, microbatches)
+    impls: tuple[str, ...]
+    rounds: int
+    steps: int
+    warmup: int
+
+
+def _builder(impl: str):
+    if impl == "torch":
+        from benchmarks.peer_torch import build_torch_step
+
+        return build_torch_step
+    if impl == "ours":
+        from benchmarks.ours import build_ours_step
+
+        return build_ours_step
+    raise ValueError(f"unknown implementation {impl!r}; choose from {IMPLS}")
+
+
+def chunk_activation_bytes(w: Workload, pp: int, vpp: int, rank: int, device) -> list[int]:
+    """Bytes autograd saves for ONE microbatch through each local chunk (the memory bound's unit).
+
+    Measured with the same meter as the benchmark, on a fresh copy of the layers.
+    """
+    layers = w.build_layers(pp)
+    out = []
+    for c in range(vpp):
+        s = c * pp + rank
+        st = RankStats()
+        chunk = Instrumented(torch.nn.Sequential(*stage_layers(layers, s, pp * vpp)), st)
+        chunk.to(device)
+        x = torch.zeros(w.sample_shape(), device=device, requires_grad=s > 0)
+        y = chunk(x)
+        out.append(st.peak_saved_bytes)
+        del y
+    return out
+
+
+def _worker(rank: int, world: int, device: torch.device, spec: RunSpec) -> list[dict]:
+    w = spec.workload
+    out = []
+    for schedule, m in spec.configs:
+        vpp = SCHEDULE_VPP[schedule]
+        runners = {}
+        stats = {}
+        for impl in spec.impls:
+            stats[impl] = RankStats()
+            runners[impl] = _builder(impl)(w, schedule, spec.pp, vpp, m, rank, device, stats[impl])
+        samples = {
+            impl: {"step_s": [], "busy": [], "fwd": [], "bwd": [], "peak": []}
+            for impl in spec.impls
+        }
+        losses = {impl: [] for impl in spec.impls}
+        for rnd in range(spec.rounds):
+            order = spec.impls if rnd % 2 == 0 else tuple(reversed(spec.impls))
+            for impl in order:
+                step, params = runners[impl]
+                st = stats[impl]
+                n_warm = spec.warmup if rnd == 0 else 1
+                for i in range(n_warm + spec.steps):
+                    x, y = w.batch(m, step=i % 3)
+                    x, y = x.to(device), y.to(device)
+                    st.reset()
+                    wall, _, _ = timed_step(lambda: losses_append(losses[impl], step(x, y)), device)
+                    for p in params:
+                        p.grad = None
+                    if i < n_warm:
+                        continue
+                    s = samples[impl]
+                    s["step_s"].append(wall)
+                    s["busy"].append(st.busy_s)
+                    s["fwd"].append(st.fwd_s)
+                    s["bwd"].append(st.bwd_s)
+                    s["peak"].append(float(st.peak_saved_bytes))
+        for impl in spec.impls:
+            s = samples[impl]
+            # gather every rank's per-step busy/fwd/bwd/peak so rank 0 can compute bubbles
+            per_rank = {k: gather_floats(s[k], device) for k in ("busy", "fwd", "bwd", "peak")}
+            loss_vals = [float(v) for v in losses[impl] if v is not None]
+            out.append(
+                {
+                    "workload": w.name,
+                    "impl": impl,
+                    "schedule": schedule,
+                    "pp": spec.pp,
+                    "vpp": vpp,
+                    "microbatches": m,
+                    "mb_size": w.mb_size,
+                    "step_s": s["step_s"],
+                    "busy_s": per_rank["busy"],
+                    "fwd_s": per_rank["fwd"],
+                    "bwd_s": per_rank["bwd"],
+                    "peak_saved_bytes": per_rank["peak"],
+                    "losses": loss_vals,
+                }
+            )
+        act = chunk_activation_bytes(w, spec.pp, vpp, rank, device)
+        act_all = gather_floats([float(a) for a in act], device)
+        for rec in out[-len(spec.impls) :]:
+            rec["chunk_act_bytes"] = act_all  # [rank][chunk]
+        del runners
+    return out
+
+
+def losses_append(bucket: list, value) -> None:
+    bucket.append(None if value is None else float(value))
+
+
+def run(
+    workload: Workload,
+    pps: list[int],
+    microbatches: list[int],
+    schedules: list[str],
+    impls: tuple[str, ...] = IMPLS,
+    rounds: int = 4,
+    steps: int = 3,
+    warmup: int = 2,
+    device: str = "cpu",
+    timeout: float = 3600.0,
+) -> list[dict]:
+    """Run the sweep; return one record per (pp, schedule, microbatches, impl)."""
+    records = []
+    for pp in pps:
+        configs = tuple(
+            (s, m)
+            for s in schedules
+            for m in microbatches
+            if not (s == "interleaved" and m < pp)  # Megatron (and we) need m >= pp there
+        )
+        spec = RunSpec(workload, pp, configs, tuple(impls), rounds, steps, warmup)
+        per_rank = launch(_worker, pp, spec, device=device, timeout=timeout)
+        # Rank 0's list holds the gathered per-rank data; take losses from the last rank.
+        for rec0, rec_last in zip(per_rank[0], per_rank[-1]):
+            rec0["losses"] = rec_last["losses"]
+            rec0["device"] = device
+            rec0["workload_desc"] = workload.flops_note()
+            rec0["t_f"], rec0["t_b"] = workload.t_f, workload.t_b
+            records.append(rec0)
+    return records
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--workload", choices=["sleep", "transformer"], default="sleep")
+    ap.add_argument("--pp", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--microbatches", type=int, nargs="+", default=[4, 8, 16])
+    ap.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b", "interleaved"])
+    ap.add_argument("--impls", nargs="+", default=list(IMPLS), choices=list(IMPLS))
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=3, help="measured steps per round")
+    ap.add_argument("--warmup", type=int, default=2, help="unmeasured steps before round 0")
+    ap.add_argument("--t-f", type=float, default=0.020, help="sleep: forward s per rank share")
+    ap.add_argument("--t-b", type=float, default=0.040, help="sleep: backward s per rank share")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--timeout", type=float, default=3600.0)
+    ap.add_argument("--out", required=True, help="JSON-lines file to append records to")
+    a = ap.parse_args(argv)
+    w = Workload(a.workload, t_f=a.t_f, t_b=a.t_b)
+    info = machine_info()
+    recs = run(
+        w,
+        a.pp,
+        a.microbatches,
+        a.schedules,
+        tuple(a.impls),
+        a.rounds,
+        a.steps,
+        a.warmup,
+        a.device,
+        a.timeout,
+    )
+    info_end = machine_info()
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    with open(a.out, "a") as f:
+        for r in recs:
+            r["machine"] = info
+            r["loadavg_end"] = info_end["loadavg"]
+            r["command"] = " ".join([os.path.basename(sys.executable)] + sys.argv)
+            f.write(json.dumps(r) + "\n")
+    print(f"wrote {len(recs)} records to {a.out}")
+
+
+if __name__ == "__main__":
+    main()
