@@ -14,6 +14,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -108,7 +109,8 @@ def _worker(rank: int, world: int, device: torch.device, spec: RunSpec) -> list[
                     x, y = w.batch(m, step=i % 3)
                     x, y = x.to(device), y.to(device)
                     st.reset()
-                    wall, _, _ = timed_step(lambda: losses_append(losses[impl], step(x, y)), device)
+                    call = functools.partial(_call_step, step, x, y, losses[impl])
+                    wall, _, _ = timed_step(call, device)
                     for p in params:
                         p.grad = None
                     if i < n_warm:
@@ -149,7 +151,8 @@ def _worker(rank: int, world: int, device: torch.device, spec: RunSpec) -> list[
     return out
 
 
-def losses_append(bucket: list, value) -> None:
+def _call_step(step, x, y, bucket: list) -> None:
+    value = step(x, y)
     bucket.append(None if value is None else float(value))
 
 

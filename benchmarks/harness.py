@@ -289,9 +289,9 @@ class Instrumented(nn.Module):
     """Wrap a chunk: time its forward/backward and meter the tensors autograd saves inside it.
 
     Saved bytes are counted per distinct view (a tensor saved twice, or a same-size view of it,
-    counts once) and parameters are excluded; a storage leaves the count when the last autograd node holding it is freed. The
-    meter's hooks are installed innermost, around the chunk only, so the same ruler applies to
-    both pipeline implementations.
+    counts once) and parameters are excluded; a storage leaves the count when the last autograd
+    node holding it is freed. The meter's hooks are installed innermost, around the chunk only,
+    so the same ruler applies to both pipeline implementations.
 
     Backward time runs from the gradient's arrival at the chunk's output to the input gradient
     (or, for a chunk whose input needs no gradient, the last parameter gradient: the marker must

@@ -2,7 +2,7 @@
 :class:`~lightning_pp.engine.PipelineEngine` with the project's own schedules.
 
 Example (inside an initialised process group of ``pp`` ranks):
-    >>> step, params = build_ours_step(workload, "1f1b", pp, 1, m, rank, device, stats)  # doctest: +SKIP
+    >>> step, params = build_ours_step(w, "1f1b", pp, 1, m, rank, dev, stats)  # doctest: +SKIP
     >>> loss = step(x, y)  # doctest: +SKIP
 """
 

@@ -1,7 +1,7 @@
 """Turn raw benchmark records (JSON lines) into a markdown table, target verdicts and PNG plots.
 
 Usage:
-    python benchmarks/report.py benchmarks/results/raw_sleep.jsonl benchmarks/results/raw_transformer.jsonl \
+    python benchmarks/report.py benchmarks/results/raw_*.jsonl \
         --md benchmarks/results/results.md --png-dir benchmarks/results
 
 Columns (see docs/benchmarks.md): median step time with its inter-quartile range, the
@@ -174,7 +174,7 @@ def targets(rows: dict) -> list[tuple[str, str, str]]:
     # 2. ours/torch <= 0.95 for 1f1b and interleaved (every configuration of the sweep)
     for wl in ("sleep", "transformer"):
         ev, oks = [], []
-        for (w, pp, sched, v, m), impls in rows.items():
+        for (w, pp, sched, _v, m), impls in rows.items():
             if w != wl or sched == "gpipe" or not {"ours", "torch"} <= set(impls):
                 continue
             r = impls["ours"]["step_ms"] / impls["torch"]["step_ms"]
@@ -221,7 +221,7 @@ def targets(rows: dict) -> list[tuple[str, str, str]]:
                     f"p{pp} 1f1b r0 peak KiB by m: "
                     + ", ".join(f"m{m}={_kib(b)}" for m, b in sorted(peaks.items()))
                 )
-            for (w, p, sched, v, m), impls in rows.items():
+            for (w, p, sched, _v, m), impls in rows.items():
                 if w == wl and p == pp and sched == "interleaved" and "ours" in impls:
                     s = impls["ours"]
                     rel = s["peak_rank0"] / s["bound_rank0"]
