@@ -1,3 +1,43 @@
-"""lightning_pp: pipeline-parallel training for PyTorch Lightning."""
+"""lightning_pp: pipeline-parallel training for PyTorch Lightning.
+
+Public names are imported lazily so that the pure-Python parts (``lightning_pp.schedules`` and
+the ``lightning-pp schedule`` command) start without importing torch or Lightning.
+
+``Trainer(strategy="pipeline")`` needs the name in Lightning's ``StrategyRegistry``: it is
+registered when ``lightning_pp.strategy`` is imported, which ``import lightning_pp`` does
+whenever Lightning is already imported (``import lightning`` first), and which any use of
+``lightning_pp.PipelineStrategy`` does too.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import Any
 
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    "PipelineStrategy": "lightning_pp.strategy",
+    "PipelineLayers": "lightning_pp.model",
+    "PipelineMixin": "lightning_pp.model",
+    "select_layers": "lightning_pp.model",
+    "GPT": "lightning_pp.models.gpt",
+}
+
+__all__ = [*sorted(_EXPORTS), "__version__", "register_strategy"]
+
+
+def register_strategy() -> None:
+    """Register ``"pipeline"`` and ``"pipeline_spawn"`` in Lightning's ``StrategyRegistry``."""
+    importlib.import_module("lightning_pp.strategy")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'lightning_pp' has no attribute {name!r}")
+
+
+if "lightning.pytorch" in sys.modules:
+    register_strategy()

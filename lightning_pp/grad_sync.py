@@ -1,0 +1,219 @@
+"""Gradient synchronisation around the pipeline: data-parallel replicas and tied parameters.
+
+Data parallel (:class:`DeferredGradSync`): a pipeline rank runs many backward steps per optimizer
+step (one per microbatch and chunk). All-reducing after each would move the gradients ``m``
+times; instead nothing is reduced until a chunk's *last* backward of the step. The engine reports
+that moment (``on_chunk_grads_ready(chunk)``) and the chunk's gradients go out at once, in
+flattened buckets, asynchronously, so the reduction overlaps the backward work of the rank's other
+chunks. :meth:`DeferredGradSync.wait` finishes them before the optimizer step. With gradient
+accumulation only the last micro-step of the window reduces (gradients are linear).
+
+Tied parameters (:class:`TiedParameterSync`): a weight shared by two layers on different ranks
+(input embedding and output head) exists once per rank. The copies start equal (broadcast from
+the owner) and stay equal because each receives the SUM of all copies' gradients, exactly the
+gradient of the single shared tensor in the unpipelined model.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+__all__ = ["DeferredGradSync", "LaunchEvent", "TiedGroup", "TiedParameterSync", "global_grad_norm"]
+
+
+@dataclass(frozen=True)
+class LaunchEvent:
+    """One asynchronous all-reduce launched by :class:`DeferredGradSync` (for tests and tools)."""
+
+    chunk: int
+    bucket: int
+    numel: int
+    time: float
+
+
+def _buckets(params: Sequence[nn.Parameter], cap_bytes: int) -> list[list[nn.Parameter]]:
+    """Group parameters (same dtype and device per bucket) into buckets of at most ``cap_bytes``
+    (a single larger parameter gets a bucket of its own)."""
+    out: list[list[nn.Parameter]] = []
+    current: list[nn.Parameter] = []
+    size = 0
+    for p in params:
+        nbytes = p.numel() * p.element_size()
+        compatible = not current or (current[0].dtype == p.dtype and current[0].device == p.device)
+        if current and (size + nbytes > cap_bytes or not compatible):
+            out.append(current)
+            current, size = [], 0
+        current.append(p)
+        size += nbytes
+    if current:
+        out.append(current)
+    return out
+
+
+class DeferredGradSync:
+    """Deferred, bucketed, asynchronous data-parallel gradient all-reduce (average over ``group``).
+
+    Args:
+        chunk_params: the parameters of each local chunk, in local chunk order. A parameter
+            shared by several chunks is reduced with the lowest-numbered one (whose last backward
+            comes last in every schedule).
+        group: the data-parallel process group.
+        group_size: number of replicas (the average divides by it).
+        bucket_cap_mb: bucket size.
+
+    Example (inside a step)::
+
+        sync.enabled = is_last_micro_step
+        engine.train_step(batch)        # engine calls sync.on_chunk_grads_ready(c) per chunk
+        sync.wait()                     # gradients are now averaged over the replicas
+    """
+
+    def __init__(
+        self,
+        chunk_params: Sequence[Sequence[nn.Parameter]],
+        group: Any,
+        group_size: int,
+        bucket_cap_mb: float = 25.0,
+    ) -> None:
+        self.group = group
+        self.group_size = group_size
+        self.enabled = True
+        seen: set[int] = set()
+        owned: list[list[nn.Parameter]] = [[] for _ in chunk_params]
+        for c in range(len(chunk_params)):
+            for p in chunk_params[c]:
+                if id(p) in seen or not p.requires_grad:
+                    continue
+                # give a shared parameter to the lowest chunk index holding it
+                first = min(i for i, ps in enumerate(chunk_params) if any(q is p for q in ps))
+                if first == c:
+                    seen.add(id(p))
+                    owned[c].append(p)
+        cap = max(1, int(bucket_cap_mb * 1024 * 1024))
+        self.chunk_buckets: list[list[list[nn.Parameter]]] = [_buckets(ps, cap) for ps in owned]
+        self._pending: list[tuple[Any, Tensor, list[nn.Parameter]]] = []
+        self._launched: set[int] = set()
+        self.events: list[LaunchEvent] = []
+
+    @property
+    def num_buckets(self) -> int:
+        return sum(len(b) for b in self.chunk_buckets)
+
+    def on_chunk_grads_ready(self, chunk: int) -> None:
+        """Engine hook: chunk ``chunk`` has run its last backward of the step."""
+        if not self.enabled or self.group_size == 1 or chunk in self._launched:
+            return
+        self._launched.add(chunk)
+        for b, bucket in enumerate(self.chunk_buckets[chunk]):
+            flat = torch.cat(
+                [
+                    (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                    for p in bucket
+                ]
+            )
+            # Pre-divide (as DDP does) so the SUM is the average and large sums cannot overflow.
+            flat.div_(self.group_size)
+            self.events.append(LaunchEvent(chunk, b, flat.numel(), time.perf_counter()))
+            handle = dist.all_reduce(flat, group=self.group, async_op=True)
+            self._pending.append((handle, flat, bucket))
+
+    def wait(self) -> None:
+        """Finish every launched reduction and write the averages back into ``.grad``.
+
+        Chunks the engine did not report (e.g. a chunk without backward work) are launched here,
+        so every replica issues the same collectives in the same order.
+        """
+        if self.enabled and self.group_size > 1:
+            for c in range(len(self.chunk_buckets)):
+                self.on_chunk_grads_ready(c)
+        for handle, flat, bucket in self._pending:
+            handle.wait()
+            offset = 0
+            for p in bucket:
+                n = p.numel()
+                view = flat[offset : offset + n].view_as(p)
+                if p.grad is None:
+                    p.grad = view.clone()
+                else:
+                    p.grad.copy_(view)
+                offset += n
+        self._pending.clear()
+        self._launched.clear()
+
+
+@dataclass
+class TiedGroup:
+    """One tied weight as seen by this rank: its local parameter and the ranks sharing it."""
+
+    names: tuple[str, ...]
+    param: nn.Parameter
+    owner_rank: int  # global rank whose copy initialises the weight
+    ranks: list[int]  # global ranks holding a copy (this replica)
+    group: Any = field(default=None, repr=False)
+
+    @property
+    def is_owner(self) -> bool:
+        return dist.get_rank() == self.owner_rank
+
+
+class TiedParameterSync:
+    """Keep copies of tied weights on different ranks equal.
+
+    Example::
+
+        tied = TiedParameterSync(groups)
+        tied.broadcast_weights()        # once, at setup: copies start from the owner's values
+        ...                             # every step, after the data-parallel sync:
+        tied.all_reduce_grads()         # each copy receives the sum of all copies' gradients
+    """
+
+    def __init__(self, groups: Sequence[TiedGroup]) -> None:
+        self.groups = [g for g in groups if len(g.ranks) > 1]
+
+    def broadcast_weights(self) -> None:
+        with torch.no_grad():
+            for g in self.groups:
+                dist.broadcast(g.param.data, src=g.owner_rank, group=g.group)
+
+    def all_reduce_grads(self) -> None:
+        for g in self.groups:
+            if g.param.grad is None:
+                g.param.grad = torch.zeros_like(g.param)
+            dist.all_reduce(g.param.grad, op=dist.ReduceOp.SUM, group=g.group)
+
+    def non_owner_params(self) -> set[int]:
+        """ids of local copies that a global norm must not count again."""
+        return {id(g.param) for g in self.groups if not g.is_owner}
+
+
+def global_grad_norm(
+    params: Sequence[nn.Parameter],
+    group: Any,
+    skip: set[int] | None = None,
+    reduce: Callable[[Tensor, Any], None] | None = None,
+) -> Tensor:
+    """L2 norm of the gradients of the whole model (all stages), in fp32.
+
+    Each rank sums the squares of its own gradients, skipping ``skip`` (ids of tied copies
+    counted on their owner), and the sums are added over ``group`` (the pipeline group: the
+    replicas of a stage hold equal gradients after the data-parallel sync, so they are not
+    summed again).
+    """
+    skip = skip or set()
+    grads = [p.grad for p in params if p.grad is not None and id(p) not in skip]
+    device = grads[0].device if grads else (params[0].device if params else torch.device("cpu"))
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for g in grads:
+        total += g.detach().float().pow(2).sum()
+    if reduce is not None:
+        reduce(total, group)
+    elif group is not None and dist.is_initialized():
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+    return total.sqrt()

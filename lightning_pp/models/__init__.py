@@ -1,0 +1,5 @@
+"""Example models written against the pipeline model-author API (:mod:`lightning_pp.model`)."""
+
+from .gpt import GPT
+
+__all__ = ["GPT"]

@@ -1,0 +1,152 @@
+"""Shared by the strategy tests and the scripts they launch: tiny GPT, data, Trainer settings.
+
+One place decides the model, the data order and the Trainer flags, so a pipelined run and its
+single-process reference differ only in the strategy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from lightning_pp.models import GPT
+
+VOCAB, BLOCK = 32, 8
+GLOBAL_BATCH = 8
+MODEL_KW = dict(
+    vocab_size=VOCAB,
+    n_layer=6,
+    n_head=2,
+    n_embd=16,
+    block_size=BLOCK,
+    lr=3e-3,
+    weight_decay=0.1,
+    warmup_steps=3,
+    max_steps=10,
+    seed=7,
+)
+STEPS = 10  # optimizer steps per run
+
+
+class Progressions(Dataset):
+    """Token sequences ``(start + step * t) % VOCAB``: learnable next-token prediction."""
+
+    def __init__(self, n: int, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        start = torch.randint(0, VOCAB, (n, 1), generator=g)
+        step = torch.randint(1, 4, (n, 1), generator=g)
+        seq = (start + step * torch.arange(BLOCK + 1)) % VOCAB
+        self.x, self.y = seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x[i], self.y[i]
+
+
+class Data(L.LightningDataModule):
+    """Same global batches for any dp: replica r of dp takes samples r, r+dp, ... of each batch."""
+
+    def __init__(self, dp: int, accumulate: int) -> None:
+        super().__init__()
+        self.dp = dp
+        self.train = Progressions(GLOBAL_BATCH * STEPS * accumulate, seed=1)
+        self.val = Progressions(GLOBAL_BATCH * 2, seed=2)
+
+    def _loader(self, ds: Dataset) -> DataLoader:
+        if self.dp == 1:
+            return DataLoader(ds, batch_size=GLOBAL_BATCH, shuffle=False)
+        kw = self.trainer.strategy.distributed_sampler_kwargs
+        sampler = DistributedSampler(ds, shuffle=False, **kw)
+        return DataLoader(ds, batch_size=GLOBAL_BATCH // self.dp, sampler=sampler)
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(self.train)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(self.val)
+
+
+class Recorder(Callback):
+    """Per batch: the logged train loss; per validation: val_loss/val_acc and the step."""
+
+    def __init__(self) -> None:
+        self.train_loss: list[float] = []
+        self.val: list[dict[str, float]] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.train_loss.append(float(trainer.callback_metrics["train_loss"]))
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if trainer.sanity_checking:
+            return
+        m = trainer.callback_metrics
+        self.val.append(
+            {
+                "step": trainer.global_step,
+                "val_loss": float(m["val_loss"]),
+                "val_acc": float(m["val_acc"]),
+            }
+        )
+
+
+def make_trainer(
+    strategy: Any,
+    devices: int,
+    accumulate: int,
+    ckpt_dir: str,
+    callbacks: list[Callback],
+    precision: str = "32-true",
+) -> L.Trainer:
+    ckpt = ModelCheckpoint(
+        dirpath=ckpt_dir, monitor="val_loss", mode="min", save_top_k=1, filename="{step}"
+    )
+    return L.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_steps=STEPS,
+        accumulate_grad_batches=accumulate,
+        gradient_clip_val=0.5,
+        precision=precision,
+        val_check_interval=4 * accumulate,
+        check_val_every_n_epoch=None,
+        limit_val_batches=2,
+        num_sanity_val_steps=0,
+        use_distributed_sampler=False,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[ckpt, *callbacks],
+    )
+
+
+def run_reference(accumulate: int, ckpt_dir: str) -> dict[str, Any]:
+    """The same module under a plain single-process Trainer."""
+    rec = Recorder()
+    trainer = make_trainer("auto", 1, accumulate, ckpt_dir, [rec])
+    trainer.fit(GPT(**MODEL_KW), Data(dp=1, accumulate=accumulate))
+    return {
+        "train_loss": rec.train_loss,
+        "val": rec.val,
+        "best": os.path.basename(trainer.checkpoint_callback.best_model_path),
+    }
+
+
+def tensor_digest(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.detach().cpu().contiguous().numpy().tobytes()).hexdigest()
+
+
+def dump(path: str, obj: Any) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f)
+    os.replace(tmp, path)

@@ -1,0 +1,166 @@
+"""Run several PipelineStrategy configurations in one process group; write per-rank JSON.
+
+Launched by the tests, either under torchrun (processes created externally) or as a plain
+``python`` command whose Trainer(devices=N) re-executes it per rank (Lightning's launcher)::
+
+    torchrun --nproc_per_node 4 tests/scripts/pp_run.py --out DIR --configs '[{...}, ...]'
+    python tests/scripts/pp_run.py --devices 2 --out DIR --configs '[...]'
+
+Each config: {"name", "pp", "vpp", "microbatches", "accumulate", optional "precision",
+"schedule"}. Output: DIR/<name>.rank<r>.json with losses, validation metrics, the best
+checkpoint, parameter counts, tied-weight digests and the data-parallel all-reduce log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+torch.set_num_threads(1)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch.distributed as dist  # noqa: E402
+from lightning.pytorch.callbacks import Callback  # noqa: E402
+from pp_common import (  # noqa: E402
+    MODEL_KW,
+    Data,
+    Recorder,
+    dump,
+    make_trainer,
+    tensor_digest,
+)
+
+from lightning_pp import PipelineStrategy  # noqa: E402
+from lightning_pp.models import GPT  # noqa: E402
+from lightning_pp.schedules import Op  # noqa: E402
+
+# Count every asynchronous all-reduce (the data-parallel gradient buckets are the only ones).
+_CALLS: list[dict] = []
+_real_all_reduce = dist.all_reduce
+
+
+def _counting_all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+    if async_op:
+        _CALLS.append({"t": time.perf_counter(), "numel": tensor.numel()})
+    return _real_all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+
+dist.all_reduce = _counting_all_reduce
+
+
+class SyncProbe(Callback):
+    """Per batch: async all-reduce calls, and their launch times vs the engine's backward events."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        _CALLS.clear()
+        trainer.strategy.grad_sync.events.clear()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        s = trainer.strategy
+        record = s.last_record
+        backs = [e for e in record.events if e.action.op is Op.B]
+        last_b = {}
+        for e in backs:
+            last_b[e.action.chunk] = {"start": e.start, "end": e.end}
+        self.steps.append(
+            {
+                "calls": len(_CALLS),
+                "buckets": s.grad_sync.num_buckets,
+                "launches": [
+                    {"chunk": ev.chunk, "t": ev.time, "numel": ev.numel}
+                    for ev in s.grad_sync.events
+                ],
+                "call_numels": [c["numel"] for c in _CALLS],
+                "last_b": {str(k): v for k, v in last_b.items()},
+                "last_backward_start": max((e.start for e in backs), default=None),
+            }
+        )
+
+
+def run(cfg: dict, devices: int, out: str) -> None:
+    name = cfg["name"]
+    strategy = PipelineStrategy(
+        pp=cfg["pp"],
+        vpp=cfg.get("vpp", 1),
+        microbatches=cfg.get("microbatches"),
+        schedule=cfg.get("schedule"),
+        bucket_cap_mb=cfg.get("bucket_cap_mb", 25.0),
+    )
+    world = int(os.environ.get("WORLD_SIZE", devices))
+    dp = world // cfg["pp"]
+    rec, probe = Recorder(), SyncProbe()
+    trainer = make_trainer(
+        strategy,
+        devices,
+        cfg["accumulate"],
+        os.path.join(out, f"ckpt_{name}"),
+        [rec, probe],
+        precision=cfg.get("precision", "32-true"),
+    )
+    model = GPT(**MODEL_KW)
+    trainer.fit(model, Data(dp=dp, accumulate=cfg["accumulate"]))
+
+    layers = model.layers
+    meta_counts = layers.layer_param_counts()
+    local_layers = layers.built_indices
+    params = list(model.parameters())
+    storages = {t.untyped_storage().data_ptr() for t in [*params, *model.buffers()]}
+    tied = {}
+    for group in layers.tied:
+        for n in group:
+            if int(n.split(".")[0]) in layers:
+                tied[n] = tensor_digest(layers.get_parameter(n))
+    rank = trainer.global_rank
+    dump(
+        os.path.join(out, f"{name}.rank{rank}.json"),
+        {
+            "rank": rank,
+            "pp_rank": strategy.topology.pp_rank,
+            "dp_rank": strategy.topology.dp_rank,
+            "dp": strategy.topology.dp,
+            "train_loss": rec.train_loss,
+            "val": rec.val,
+            "best": os.path.basename(trainer.checkpoint_callback.best_model_path),
+            "local_layers": local_layers,
+            "expected_layers": strategy._local_indices(),
+            "layer_ranges": [[r.start, r.stop] for r in strategy.layer_ranges],
+            "param_count": sum(p.numel() for p in params),
+            "expected_param_count": sum(meta_counts[i] for i in local_layers),
+            "storage_bytes": sum(
+                t.untyped_storage().nbytes()
+                for t in {
+                    t.untyped_storage().data_ptr(): t for t in [*params, *model.buffers()]
+                }.values()
+            ),
+            "param_bytes": sum(p.numel() * p.element_size() for p in params),
+            "num_storages": len(storages),
+            "tied": tied,
+            "sync": probe.steps,
+        },
+    )
+    # every rank finished writing before the next configuration reuses the process group
+    trainer.strategy.barrier()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--configs", required=True, help="JSON list of configurations")
+    parser.add_argument("--devices", type=int, default=None)
+    args = parser.parse_args()
+    devices = args.devices or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    os.makedirs(args.out, exist_ok=True)
+    for cfg in json.loads(args.configs):
+        run(cfg, devices, args.out)
+
+
+if __name__ == "__main__":
+    main()
