@@ -12,7 +12,11 @@ import sys
 from collections.abc import Sequence
 
 # Modules that provide subcommands; each exposes ``register(subparsers)``.
-COMMAND_MODULES: tuple[str, ...] = ("lightning_pp.commands.schedule",)
+COMMAND_MODULES: tuple[str, ...] = (
+    "lightning_pp.commands.schedule",
+    "lightning_pp.commands.fit",
+    "lightning_pp.commands.validate",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
