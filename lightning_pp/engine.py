@@ -304,7 +304,8 @@ class PipelineEngine:
         self._check_fifo(action, head)
         if not head.out_specs:  # no floating outputs: no gradient travels
             return []
-        return [RecvRequest(GRAD, self._rank_of(s + 1), s + 1, action.mb, specs=head.out_specs)]
+        # the tag names the RECEIVING stage (this one), as the sender's Message does
+        return [RecvRequest(GRAD, self._rank_of(s + 1), s, action.mb, specs=head.out_specs)]
 
     def _check_fifo(self, action: Action, head: _Entry | None) -> None:
         if head is None or head.mb != action.mb:
@@ -389,7 +390,9 @@ class PipelineEngine:
             ptr = st.data_ptr()
             if ptr not in params:
                 saved[ptr] = st.nbytes()
-            return t
+            # A detached alias, not ``t`` itself: autograd stores what pack returns, and output
+            # release later swaps the storage of the very tensor object it was given.
+            return t.detach()
 
         return pack
 

@@ -23,6 +23,7 @@ then killed. The raised :class:`DistributedFailure` carries each failing rank's 
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing as mp
 import os
 import queue as queue_mod
@@ -59,11 +60,14 @@ def _worker(
     results: Any,
     pg_timeout: float,
     backend: str,
+    dump_after: float,
 ) -> None:
     try:  # own process group, so the parent can kill this worker and its children together
         os.setsid()
     except OSError:
         pass
+    # A hung rank prints every thread's stack to stderr shortly before the parent kills it.
+    faulthandler.dump_traceback_later(max(1.0, dump_after), exit=False)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     try:
@@ -127,7 +131,7 @@ def run_distributed(
     procs = [
         ctx.Process(
             target=_worker,
-            args=(fn, r, world_size, init_file, args, results, pg_timeout, backend),
+            args=(fn, r, world_size, init_file, args, results, pg_timeout, backend, timeout - 3),
             daemon=True,
         )
         for r in range(world_size)
