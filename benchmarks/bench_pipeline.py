@@ -185,8 +185,20 @@ def run(
             rec0["device"] = device
             rec0["workload_desc"] = workload.flops_note()
             rec0["t_f"], rec0["t_b"] = workload.t_f, workload.t_b
+            rec0["seq"] = workload.seq
             records.append(rec0)
     return records
+
+
+def write_records(path: str, recs: list[dict], info: dict, info_end: dict, command: str) -> None:
+    """Append ``recs`` to the JSON-lines file ``path`` with the machine description."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "a") as f:
+        for r in recs:
+            r["machine"] = info
+            r["loadavg_end"] = info_end["loadavg"]
+            r["command"] = command
+            f.write(json.dumps(r) + "\n")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -219,14 +231,7 @@ def main(argv: list[str] | None = None) -> None:
         a.device,
         a.timeout,
     )
-    info_end = machine_info()
-    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-    with open(a.out, "a") as f:
-        for r in recs:
-            r["machine"] = info
-            r["loadavg_end"] = info_end["loadavg"]
-            r["command"] = " ".join([os.path.basename(sys.executable)] + sys.argv)
-            f.write(json.dumps(r) + "\n")
+    write_records(a.out, recs, info, machine_info(), " ".join(["python"] + sys.argv))
     print(f"wrote {len(recs)} records to {a.out}")
 
 

@@ -1,0 +1,99 @@
+"""Reproduce every benchmark: both workloads, the full sweep, the strategy overhead, the report.
+
+Usage:
+    python benchmarks/run_all.py --out benchmarks/results            # full (~20 min on 2 cores)
+    python benchmarks/run_all.py --out /tmp/bench --quick             # a few minutes
+    python benchmarks/run_all.py --out benchmarks/results --device cuda   # NCCL, one GPU per rank
+
+Writes ``raw_<workload>.jsonl`` (one record per configuration and implementation), the
+strategy overhead table ``strategy_overhead.md``, ``results.md`` (tables + target verdicts)
+and ``bench_<workload>.png`` into ``--out``; with ``--docs-img DIR`` the PNGs are copied there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import time
+
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks import bench_pipeline, report
+from benchmarks.workloads import Workload
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--quick", action="store_true", help="fewer configurations and steps")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--workloads", nargs="+", default=["sleep", "transformer", "strategy"])
+    ap.add_argument("--pp", type=int, nargs="+", default=None)
+    ap.add_argument("--microbatches", type=int, nargs="+", default=None)
+    ap.add_argument("--rounds", type=int, default=None)
+    ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--docs-img", default=None, help="also copy the PNGs here (docs/img)")
+    a = ap.parse_args(argv)
+
+    pps = a.pp or [2, 4]
+    ms = a.microbatches or ([4, 8] if a.quick else [4, 8, 16])
+    rounds = a.rounds or (2 if a.quick else 4)
+    steps = a.steps or (2 if a.quick else 3)
+    os.makedirs(a.out, exist_ok=True)
+    raws = []
+    command = " ".join(["python"] + sys.argv)
+    for wl in a.workloads:
+        if wl == "strategy":
+            continue
+        if wl == "sleep":
+            # quick: the same shape at a quarter of the cost (the ratios are what matter)
+            w = Workload("sleep", t_f=0.005, t_b=0.010) if a.quick else Workload("sleep")
+        else:
+            w = Workload("transformer", dim=64 if a.quick else 128, seq=32 if a.quick else 64)
+        path = os.path.join(a.out, f"raw_{wl}.jsonl")
+        if os.path.exists(path):
+            os.remove(path)
+        t0 = time.time()
+        info = bench_pipeline.machine_info()
+        recs = bench_pipeline.run(
+            w,
+            pps,
+            ms,
+            ["gpipe", "1f1b", "interleaved"],
+            bench_pipeline.IMPLS,
+            rounds,
+            steps,
+            2,
+            a.device,
+        )
+        end = bench_pipeline.machine_info()
+        bench_pipeline.write_records(path, recs, info, end, command)
+        print(f"{wl}: {len(recs)} records in {time.time() - t0:.0f}s -> {path}", flush=True)
+        raws.append(path)
+    extra = ""
+    if "strategy" in a.workloads:
+        from benchmarks import bench_strategy
+
+        extra_path = os.path.join(a.out, "strategy_overhead.md")
+        bench_strategy.main(
+            ["--out", extra_path, "--device", a.device] + (["--quick"] if a.quick else [])
+        )
+        extra = open(extra_path).read()
+    if raws:
+        md, rows = report.render(report.load(raws), extra)
+        with open(os.path.join(a.out, "results.md"), "w") as f:
+            f.write("# lightning_pp vs torch.distributed.pipelining\n\n" + md)
+        for wl in ("sleep", "transformer"):
+            png = os.path.join(a.out, f"bench_{wl}.png")
+            report.plot(rows, wl, png)
+            if a.docs_img and os.path.exists(png):
+                os.makedirs(a.docs_img, exist_ok=True)
+                shutil.copy(png, os.path.join(a.docs_img, f"bench_{wl}.png"))
+        print(md)
+
+
+if __name__ == "__main__":
+    main()

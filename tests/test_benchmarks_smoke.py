@@ -1,0 +1,95 @@
+"""Smoke test of benchmarks/: the scripts run end to end and write well-formed output.
+
+Tiny settings (pp=2, two microbatches, millisecond sleeps, one round): seconds, not minutes.
+Nothing here asserts a timing; only structure and the cross-implementation loss agreement
+(same layers, same data -> the same loss, a correctness property of the comparison itself).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from benchmarks import bench_pipeline, report  # noqa: E402
+from benchmarks.workloads import Workload  # noqa: E402
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture(scope="module")
+def records():
+    w = Workload("sleep", t_f=0.002, t_b=0.004, width=8, mb_size=2)
+    return bench_pipeline.run(
+        w,
+        pps=[2],
+        microbatches=[2],
+        schedules=["gpipe", "1f1b", "interleaved"],
+        rounds=2,
+        steps=1,
+        warmup=1,
+        timeout=180,
+    )
+
+
+def test_records_well_formed(records):
+    keys = {(r["schedule"], r["impl"]) for r in records}
+    assert keys == {(s, i) for s in ("gpipe", "1f1b", "interleaved") for i in ("ours", "torch")}
+    for r in records:
+        pp = r["pp"]
+        assert len(r["step_s"]) == 2  # 2 rounds x 1 measured step, warmup excluded
+        assert all(t > 0 for t in r["step_s"])
+        for k in ("busy_s", "fwd_s", "bwd_s", "peak_saved_bytes"):
+            assert len(r[k]) == pp and all(len(v) == 2 for v in r[k]), k
+        assert len(r["chunk_act_bytes"]) == pp
+        assert all(len(c) == r["vpp"] for c in r["chunk_act_bytes"])
+        assert r["losses"] and all(math.isfinite(v) for v in r["losses"])
+        json.dumps(r)  # serialisable
+
+
+def test_same_loss_both_implementations(records):
+    by = {(r["schedule"], r["impl"]): r["losses"] for r in records}
+    for s in ("gpipe", "1f1b", "interleaved"):
+        ours, theirs = by[(s, "ours")], by[(s, "torch")]
+        assert ours == pytest.approx(theirs, rel=1e-6), s
+
+
+def test_report_table_plot_and_targets(records, tmp_path):
+    raw = tmp_path / "raw.jsonl"
+    bench_pipeline.write_records(str(raw), records, {"nproc": 2}, {"loadavg": [0, 0, 0]}, "test")
+    md_path = tmp_path / "results.md"
+    report.main([str(raw), "--md", str(md_path), "--png-dir", str(tmp_path)])
+    md = md_path.read_text()
+    header = next(line for line in md.splitlines() if line.startswith("| p | schedule"))
+    rows = [line for line in md.splitlines() if line.startswith("| 2 |")]
+    assert len(rows) == 6
+    assert all(row.count("|") == header.count("|") for row in rows)
+    assert "## Targets" in md
+    png = tmp_path / "bench_sleep.png"
+    assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_memory_bound_follows_schedule_order():
+    from lightning_pp.schedules import build_schedule
+
+    s = build_schedule("1f1b", pp=4, microbatches=8)
+    # rank 0 of 1F1B holds at most pp = 4 microbatches: 4 x 100 bytes
+    assert report.memory_bound(s, 0, [100.0]) == 400.0
+    assert report.memory_bound(s, 3, [100.0]) == 100.0
+
+
+def test_strategy_overhead_script(tmp_path):
+    from benchmarks import bench_strategy
+
+    out = tmp_path / "so.md"
+    bench_strategy.main(
+        ["--quick", "--rounds", "1", "--steps", "2", "--warmup", "1", "--out", str(out)]
+    )
+    md = out.read_text()
+    assert "| **median** |" in md and "Target 5" in md
