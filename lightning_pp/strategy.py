@@ -316,7 +316,8 @@ class PipelineStrategy(ParallelStrategy):
             missing = set(self._local_indices()) - set(layers.built_indices)
             if missing:
                 raise RuntimeError(
-                    f"rank {self.global_rank}: layers {sorted(missing)} of this stage were not built"
+                    f"rank {self.global_rank}: layers {sorted(missing)} of this stage "
+                    "were not built"
                 )
             layers.keep_only(self._local_indices())
         self._check_all_params_in_layers(module, layers)

@@ -105,6 +105,7 @@ def make_trainer(
     ckpt_dir: str,
     callbacks: list[Callback],
     precision: str = "32-true",
+    num_nodes: int = 1,
 ) -> L.Trainer:
     ckpt = ModelCheckpoint(
         dirpath=ckpt_dir, monitor="val_loss", mode="min", save_top_k=1, filename="{step}"
@@ -112,6 +113,7 @@ def make_trainer(
     return L.Trainer(
         accelerator="cpu",
         devices=devices,
+        num_nodes=num_nodes,
         strategy=strategy,
         max_steps=STEPS,
         accumulate_grad_batches=accumulate,

@@ -104,6 +104,7 @@ def run(cfg: dict, devices: int, out: str) -> None:
         os.path.join(out, f"ckpt_{name}"),
         [rec, probe],
         precision=cfg.get("precision", "32-true"),
+        num_nodes=max(1, world // devices),
     )
     model = GPT(**MODEL_KW)
     trainer.fit(model, Data(dp=dp, accumulate=cfg["accumulate"]))

@@ -1,0 +1,249 @@
+"""PipelineStrategy under the real Trainer and real gloo process groups.
+
+The expensive parts run once per module: two single-process reference runs (plain Trainer) in
+this process, one 4-process torchrun job that trains four pipeline configurations in sequence,
+one 2-process job started by Lightning's own launcher (``Trainer(devices=2)``), and one
+"two nodes on loopback" job. Each rank writes a JSON file; the tests compare them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = ROOT / "tests" / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+
+from pp_common import run_reference  # noqa: E402
+
+REL_TOL = 1e-5
+
+# world 4: pp x dp in {4x1, 2x2}, vpp in {1, 2}, accumulate_grad_batches in {1, 2}
+FOUR = [
+    {"name": "pp4", "pp": 4, "microbatches": 4, "accumulate": 1},
+    {"name": "pp4_vpp2_acc2", "pp": 4, "vpp": 2, "microbatches": 4, "accumulate": 2},
+    {"name": "pp2_vpp2_dp2", "pp": 2, "vpp": 2, "microbatches": 2, "accumulate": 1},
+    # tiny buckets: each chunk's gradients go out in several all-reduces
+    {"name": "pp2_dp2_acc2", "pp": 2, "microbatches": 4, "accumulate": 2, "bucket_cap_mb": 0.01},
+]
+TWO = [
+    {"name": "pp2", "pp": 2, "microbatches": 4, "accumulate": 1},
+    {"name": "pp2_bf16", "pp": 2, "microbatches": 2, "accumulate": 1, "precision": "bf16-mixed"},
+]
+TWO_NODES = [FOUR[3]]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(cmd: list[str], timeout: float, env: dict | None = None) -> str:
+    """Run ``cmd`` in its own session; on timeout kill the whole process group."""
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=full_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"timed out after {timeout}s: {' '.join(cmd)}\n{out[-6000:]}")
+    finally:
+        try:  # stragglers (e.g. a rank left behind by a failed peer)
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    if proc.returncode != 0:
+        pytest.fail(f"exit code {proc.returncode}: {' '.join(cmd)}\n{out[-6000:]}")
+    return out
+
+
+def _load(out: Path, configs: list[dict], world: int) -> dict[str, list[dict]]:
+    return {
+        c["name"]: [
+            json.loads((out / f"{c['name']}.rank{r}.json").read_text()) for r in range(world)
+        ]
+        for c in configs
+    }
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory) -> dict[int, dict]:
+    torch.set_num_threads(1)
+    base = tmp_path_factory.mktemp("ref")
+    return {acc: run_reference(acc, str(base / f"acc{acc}")) for acc in (1, 2)}
+
+
+@pytest.fixture(scope="module")
+def four_proc(tmp_path_factory) -> dict[str, list[dict]]:
+    out = tmp_path_factory.mktemp("four")
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "1",
+        "--nproc_per_node",
+        "4",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(_free_port()),
+        str(SCRIPTS / "pp_run.py"),
+        "--out",
+        str(out),
+        "--configs",
+        json.dumps(FOUR),
+    ]
+    _run(cmd, timeout=400)
+    return _load(out, FOUR, 4)
+
+
+@pytest.fixture(scope="module")
+def two_proc(tmp_path_factory) -> dict[str, list[dict]]:
+    """Plain ``python script.py`` with Trainer(devices=2): Lightning's subprocess launcher."""
+    out = tmp_path_factory.mktemp("two")
+    cmd = [
+        sys.executable,
+        str(SCRIPTS / "pp_run.py"),
+        "--devices",
+        "2",
+        "--out",
+        str(out),
+        "--configs",
+        json.dumps(TWO),
+    ]
+    env = {"MASTER_PORT": str(_free_port()), "MASTER_ADDR": "127.0.0.1"}
+    _run(cmd, timeout=300, env=env)
+    return _load(out, TWO, 2)
+
+
+def _rel_errors(got: list[float], want: list[float]) -> list[float]:
+    assert len(got) == len(want), (len(got), len(want))
+    return [abs(g - w) / abs(w) for g, w in zip(got, want)]
+
+
+def _check_against_reference(ranks: list[dict], ref: dict, tol: float = REL_TOL) -> None:
+    for d in ranks:
+        errs = _rel_errors(d["train_loss"], ref["train_loss"])
+        assert max(errs) <= tol, f"rank {d['rank']}: per-step relative errors {errs}"
+        assert [v["step"] for v in d["val"]] == [v["step"] for v in ref["val"]]
+        for key in ("val_loss", "val_acc"):
+            errs = _rel_errors([v[key] for v in d["val"]], [v[key] for v in ref["val"]])
+            assert max(errs) <= tol, f"rank {d['rank']}: {key} relative errors {errs}"
+        assert d["best"] == ref["best"], f"rank {d['rank']}: best checkpoint"
+    # every rank logs the very same values (monitors read them on every rank)
+    for d in ranks[1:]:
+        assert d["train_loss"] == ranks[0]["train_loss"]
+        assert d["val"] == ranks[0]["val"]
+
+
+@pytest.mark.parametrize("cfg", FOUR, ids=[c["name"] for c in FOUR])
+def test_four_processes_match_single_process(four_proc, references, cfg):
+    ranks = four_proc[cfg["name"]]
+    assert len(ranks[0]["train_loss"]) == 10 * cfg["accumulate"]
+    assert {d["dp"] for d in ranks} == {4 // cfg["pp"]}
+    _check_against_reference(ranks, references[cfg["accumulate"]])
+
+
+def test_lightning_launcher_matches_single_process(two_proc, references):
+    _check_against_reference(two_proc["pp2"], references[1])
+
+
+def test_bf16_mixed_trains_close_to_fp32(two_proc, references):
+    ranks = two_proc["pp2_bf16"]
+    losses = ranks[0]["train_loss"]
+    assert all(math.isfinite(x) for x in losses)
+    # bf16 autocast keeps ~3 significant digits: close to fp32, not equal
+    errs = _rel_errors(losses, references[1]["train_loss"])
+    assert max(errs) < 5e-2, errs
+    assert ranks[1]["train_loss"] == losses
+
+
+@pytest.mark.parametrize("cfg", FOUR, ids=[c["name"] for c in FOUR])
+def test_each_rank_holds_only_its_layers(four_proc, cfg):
+    ranks = four_proc[cfg["name"]]
+    held = []
+    for d in ranks:
+        assert d["local_layers"] == d["expected_layers"]
+        # parameters and storage are exactly this rank's layers, nothing of other stages
+        assert d["param_count"] == d["expected_param_count"]
+        assert d["storage_bytes"] == d["param_bytes"]
+        if d["dp_rank"] == 0:
+            held += d["local_layers"]
+    assert sorted(held) == list(range(8))  # the stages of one replica partition the model
+
+
+@pytest.mark.parametrize("cfg", FOUR, ids=[c["name"] for c in FOUR])
+def test_tied_copies_bitwise_equal_after_training(four_proc, cfg):
+    digests = [v for d in four_proc[cfg["name"]] for v in d["tied"].values()]
+    # embedding on the first stage, head on the last: a copy on each, every replica
+    assert len(digests) == 2 * (4 // cfg["pp"])
+    assert len(set(digests)) == 1
+
+
+@pytest.mark.parametrize("name", ["pp2_vpp2_dp2", "pp2_dp2_acc2"])
+def test_data_parallel_allreduce_deferred_bucketed_async(four_proc, name):
+    cfg = next(c for c in FOUR if c["name"] == name)
+    for d in four_proc[name]:
+        assert d["dp"] == 2
+        for i, step in enumerate(d["sync"]):
+            sync_step = (i + 1) % cfg["accumulate"] == 0
+            if not sync_step:  # accumulation micro-step: no communication at all
+                assert step["calls"] == 0 and step["launches"] == []
+                continue
+            # one asynchronous all-reduce per bucket, nothing else
+            assert step["calls"] == step["buckets"] == len(step["launches"])
+            assert step["call_numels"] == [ev["numel"] for ev in step["launches"]]
+            for ev in step["launches"]:
+                # launched after the chunk's last backward started, before the step ended
+                last_b = step["last_b"][str(ev["chunk"])]
+                assert last_b["start"] <= ev["t"] <= last_b["end"]
+            chunks = [ev["chunk"] for ev in step["launches"]]
+            assert chunks == sorted(chunks, reverse=True)  # later chunks finish first
+            if cfg.get("vpp", 1) > 1:
+                # overlap: chunk 1 is already reducing while chunk 0 still runs backward
+                first = min(ev["t"] for ev in step["launches"] if ev["chunk"] == 1)
+                assert first < step["last_b"]["0"]["start"]
+        if cfg.get("bucket_cap_mb"):
+            assert d["sync"][-1]["buckets"] > 1
+
+
+def test_two_nodes_on_loopback_match_single_node(tmp_path, four_proc, references):
+    out = tmp_path / "nodes"
+    cmd = [
+        "bash",
+        str(ROOT / "examples" / "two_nodes_loopback.sh"),
+        "--out",
+        str(out),
+        "--configs",
+        json.dumps(TWO_NODES),
+    ]
+    env = {"SCRIPT": str(SCRIPTS / "pp_run.py"), "MASTER_PORT": str(_free_port())}
+    _run(cmd, timeout=300, env=env)
+    ranks = _load(out, TWO_NODES, 4)[TWO_NODES[0]["name"]]
+    single = four_proc[TWO_NODES[0]["name"]]
+    for a, b in zip(ranks, single):
+        assert (a["pp_rank"], a["dp_rank"]) == (b["pp_rank"], b["dp_rank"])
+        assert a["train_loss"] == b["train_loss"]  # same ranks, same math: bitwise
+        assert a["val"] == b["val"]
+    _check_against_reference(ranks, references[TWO_NODES[0]["accumulate"]])
