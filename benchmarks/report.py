@@ -141,7 +141,7 @@ def markdown_table(rows: dict, workload: str) -> str:
                 f"{s['iqr_ms'][0]:.1f}-{s['iqr_ms'][1]:.1f} | {s['ideal_ms']:.1f} | "
                 f"{s['ratio_ideal']:.3f} | {ratio if impl == 'ours' else ''} | "
                 f"{s['bubble']:.3f} | {s['bubble_sim']:.3f} | {_kib(s['peak_rank0'])} | "
-                f"{_kib(s['bound_rank0'])} | {_kib(s['peak_max'])} | "
+                f"{_kib(s['bound_rank0']) if impl == 'ours' else ''} | {_kib(s['peak_max'])} | "
                 f"{s['samples_per_s']:.1f} | {s['loss']:.6f} |"
             )
     return head + "\n".join(lines) + "\n"
@@ -243,6 +243,7 @@ def plot(rows: dict, workload: str, path: str) -> None:
         return
     fig, axes = plt.subplots(2, len(pps), figsize=(6 * len(pps), 8), squeeze=False)
     colors = {"gpipe": "tab:gray", "1f1b": "tab:blue", "interleaved": "tab:orange"}
+    ms_all = sorted({k[4] for k in rows if k[0] == workload})
     for j, pp in enumerate(pps):
         ax_t, ax_m = axes[0][j], axes[1][j]
         for sched in ("gpipe", "1f1b", "interleaved"):
@@ -255,47 +256,29 @@ def plot(rows: dict, workload: str, path: str) -> None:
             ms = [k[4] for k in keys]
             c = colors[sched]
             for impl, style in (("ours", "-o"), ("torch", "--s")):
-                ys = [rows[k][impl]["step_ms"] for k in keys if impl in rows[k]]
+                alpha = 0.95 if impl == "ours" else 0.6
+                ys = [rows[k][impl]["ratio_ideal"] for k in keys if impl in rows[k]]
                 if len(ys) == len(ms):
-                    ax_t.plot(
-                        ms,
-                        ys,
-                        style,
-                        color=c,
-                        label=f"{sched} {impl}",
-                        alpha=0.9 if impl == "ours" else 0.6,
-                    )
+                    ax_t.plot(ms, ys, style, color=c, label=f"{sched} {impl}", alpha=alpha)
                 mem = [rows[k][impl]["peak_rank0"] / 1024 for k in keys if impl in rows[k]]
                 if len(mem) == len(ms):
-                    ax_m.plot(
-                        ms,
-                        mem,
-                        style,
-                        color=c,
-                        label=f"{sched} {impl}",
-                        alpha=0.9 if impl == "ours" else 0.6,
-                    )
-            any_impl = next(iter(rows[keys[0]]))
-            ax_t.plot(
-                ms,
-                [rows[k][any_impl]["ideal_ms"] for k in keys],
-                ":",
-                color=c,
-                lw=2,
-                label=f"{sched} ideal ({rows[keys[0]][any_impl]['ideal_kind']})",
-            )
+                    ax_m.plot(ms, mem, style, color=c, label=f"{sched} {impl}", alpha=alpha)
+            first = next(iter(rows[keys[0]].values()))
             ax_m.plot(
                 ms,
-                [rows[k][any_impl]["bound_rank0"] / 1024 for k in keys],
+                [next(iter(rows[k].values()))["bound_rank0"] / 1024 for k in keys],
                 ":",
                 color=c,
                 lw=2,
                 label=f"{sched} bound",
             )
+        ax_t.axhline(1.0, color="k", lw=1)
+        ax_t.axhline(1.05, color="k", lw=1, ls=":", label="1.05 x ideal")
+        kind = first["ideal_kind"]
         ax_t.set(
-            title=f"{workload}: step time, p={pp}",
+            title=f"{workload}: median step time / ideal ({kind}), p={pp}",
             xlabel="microbatches m",
-            ylabel="median step time (ms)",
+            ylabel="step time / simulator makespan",
         )
         ax_m.set(
             title=f"{workload}: rank-0 peak saved activations, p={pp}",
@@ -304,6 +287,7 @@ def plot(rows: dict, workload: str, path: str) -> None:
         )
         for ax in (ax_t, ax_m):
             ax.set_xscale("log", base=2)
+            ax.set_xticks(ms_all, [str(m) for m in ms_all])
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7)
     fig.tight_layout()

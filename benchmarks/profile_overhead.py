@@ -1,0 +1,109 @@
+"""Where does a pipeline step's time go when the layers cost nothing?
+
+Runs the sleep workload with ``t_f = t_b = 0`` (tiny linear layers, no sleeps): the step time
+is then the framework's own per-step overhead (schedule bookkeeping, P2P, autograd calls).
+Alternates ours and torch like the main benchmark, then profiles one rank of ours with
+cProfile and prints the top functions, plus the engine's own per-action record (comm wait vs
+the rest).
+
+Usage:
+    python benchmarks/profile_overhead.py --pp 4 --microbatches 8 --schedule 1f1b
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import statistics
+import sys
+
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch
+
+from benchmarks.bench_pipeline import SCHEDULE_VPP, _builder
+from benchmarks.harness import RankStats, launch, timed_step
+from benchmarks.workloads import Workload
+
+
+def _worker(rank, world, device, args):
+    schedule, m, steps, instrumented, profile_rank = args
+    w = Workload("sleep", t_f=0.0, t_b=0.0)
+    vpp = SCHEDULE_VPP[schedule]
+    runners = {}
+    for impl in ("ours", "torch"):
+        st = RankStats()
+        runners[impl] = _builder(impl)(w, schedule, world, vpp, m, rank, device, st)
+    x, y = w.batch(m)
+    times = {"ours": [], "torch": []}
+    for rnd in range(4):
+        for impl in ("ours", "torch") if rnd % 2 == 0 else ("torch", "ours"):
+            step, params = runners[impl]
+            for i in range(steps + 2):
+                t, _, _ = timed_step(lambda step=step: step(x, y), device)
+                for p in params:
+                    p.grad = None
+                if i >= 2:
+                    times[impl].append(t)
+    out = {k: statistics.median(v) for k, v in times.items()}
+    # engine record of one step: split per-action time into waiting and the rest
+    step, params = runners["ours"]
+    engine = step.engine
+    res = engine.train_step((x, y))
+    ev = res.record.events
+    out["events"] = len(ev)
+    out["action_ms_mean"] = 1e3 * statistics.mean(e.duration for e in ev)
+    out["wait_ms_total"] = 1e3 * sum(e.comm_wait for e in ev)
+    out["nonwait_ms_total"] = 1e3 * sum(e.duration - e.comm_wait for e in ev)
+    out["record_ms"] = 1e3 * res.record.duration
+    if rank == profile_rank:
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(steps):
+            engine.train_step((x, y))
+        prof.disable()
+        s = io.StringIO()
+        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(18)
+        out["profile"] = s.getvalue()
+    else:
+        for _ in range(steps):
+            engine.train_step((x, y))
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--pp", type=int, default=4)
+    ap.add_argument("--microbatches", type=int, default=8)
+    ap.add_argument("--schedule", default="1f1b")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--profile-rank", type=int, default=0)
+    a = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    res = launch(
+        _worker,
+        a.pp,
+        (a.schedule, a.microbatches, a.steps, True, a.profile_rank),
+        timeout=900,
+    )
+    r0 = res[0]
+    print(
+        f"zero-cost layers, {a.schedule} p={a.pp} m={a.microbatches}: median step "
+        f"ours {r0['ours'] * 1e3:.2f} ms, torch {r0['torch'] * 1e3:.2f} ms "
+        f"(ours/torch {r0['ours'] / r0['torch']:.3f})"
+    )
+    for k, r in enumerate(res):
+        print(
+            f"rank {k}: {r['events']} actions, mean {r['action_ms_mean']:.3f} ms/action; "
+            f"waiting {r['wait_ms_total']:.2f} ms, not waiting {r['nonwait_ms_total']:.2f} ms, "
+            f"step {r['record_ms']:.2f} ms"
+        )
+    print(res[a.profile_rank]["profile"])
+
+
+if __name__ == "__main__":
+    main()
