@@ -92,14 +92,24 @@ def test_offsets_align_process_local_clocks():
         ]
 
 
-def test_unmodelled_latency_shows_as_extra_bubble():
+def test_measured_latency_enters_the_expectation():
     s = build_schedule("1f1b", pp=4, microbatches=8)
     real = simulate(s, Costs(t_f=1.0, t_b=2.0, latency=0.25))  # what "happened"
     stats = bubble_stats(records_from_sim(real))
-    # The expectation knows the measured compute times but not the P2P latency.
-    assert stats.expected_bubble == pytest.approx(simulate(s).bubble_ratio)
+    assert stats.latency == pytest.approx(0.25)  # recovered from blocked receives
     assert stats.bubble == pytest.approx(real.bubble_ratio)
-    assert stats.bubble > stats.expected_bubble + 0.05
+    assert stats.expected_bubble == pytest.approx(real.bubble_ratio)
+    assert stats.bubble > simulate(s).bubble_ratio + 0.05  # the latency-free model would miss it
+
+
+def test_straggling_start_shows_as_extra_bubble():
+    s = build_schedule("1f1b", pp=4, microbatches=8)
+    sim = simulate(s)
+    recs = records_from_sim(sim, clock_shift=[0.0, -1.5, -1.5, -1.5])  # rank 0 entered 1.5 late
+    stats = bubble_stats(recs)
+    assert stats.start_skew == pytest.approx(1.5)
+    assert stats.expected_bubble == pytest.approx(sim.bubble_ratio)
+    assert stats.bubble == pytest.approx((sum(sim.idle) + 4 * 1.5) / sum(sim.busy))
 
 
 def test_late_rank_counts_as_idle_for_everyone_else():

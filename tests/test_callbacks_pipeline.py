@@ -13,7 +13,7 @@ from distributed import run_distributed
 from engine_models import make_chunks
 
 PP = 4
-T_F, T_B = 0.030, 0.060  # per stage (all chunks of a rank), seconds
+T_F, T_B = 0.060, 0.120  # per stage (all chunks of a rank), seconds
 NUM_LAYERS = 8
 
 

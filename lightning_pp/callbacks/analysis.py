@@ -22,9 +22,10 @@ on P2P, ramp-up/drain, the step's edges). Then::
     idle_fraction[r] = idle[r] / span          # share of the step rank r was not computing
 
 The *expected* bubble feeds the same schedule to :func:`~lightning_pp.schedules.simulate` with
-the MEASURED mean compute time of each ``(rank, chunk)`` forward and backward as cost overrides,
-so measured minus expected isolates what the schedule model does not capture (P2P latency,
-stragglers, host overhead between steps), not an uneven partition.
+the MEASURED mean compute time of each ``(rank, chunk)`` forward and backward as cost overrides
+and the MEASURED median P2P hop latency (:func:`p2p_latency`) as its ``latency``, so measured
+minus expected isolates what the schedule model does not capture (stragglers, jitter, ranks
+entering the step at different times), not an uneven partition or a slow link.
 
 Example:
     >>> from lightning_pp.records import StepEvent, StepRecord
@@ -56,6 +57,7 @@ __all__ = [
     "measured_costs",
     "measured_timeline",
     "memory_stats",
+    "p2p_latency",
     "split_pipelines",
     "trace_events",
 ]
@@ -138,13 +140,51 @@ def measured_costs(records: Sequence[StepRecord]) -> Costs:
     return Costs(overrides=overrides)
 
 
+def p2p_latency(records: Sequence[StepRecord], offsets: Sequence[float] | None = None) -> float:
+    """Median measured delay from a send being posted to the receiver getting the data (s).
+
+    For every action that needed data from another stage (an activation for F, a gradient for
+    B) and started waiting *before* the sender had even posted it, the receiver's wait ended
+    when the data arrived: ``start + comm_wait - sender's end`` is then one sample of the real
+    hop latency (header round trip, transfer, waking the receiver). Actions whose data was
+    already there carry no timing information and are skipped. 0.0 without samples.
+    """
+    offs = _offsets(records, offsets)
+    schedule = records[0].schedule
+    last = schedule.num_stages - 1
+    ends: dict[tuple[Op, int, int], float] = {}  # (op, mb, stage) -> aligned end
+    for rec, off in zip(records, offs):
+        for e in rec.events:
+            ends[(e.action.op, e.action.mb, schedule.stage(rec.pp_rank, e.action.chunk))] = (
+                e.end - off
+            )
+    samples = []
+    for rec, off in zip(records, offs):
+        for e in rec.events:
+            stage = schedule.stage(rec.pp_rank, e.action.chunk)
+            if e.action.op is Op.F and stage > 0:
+                sent = ends.get((Op.F, e.action.mb, stage - 1))
+            elif e.action.op is Op.B and stage < last:
+                sent = ends.get((Op.B, e.action.mb, stage + 1))
+            else:
+                continue
+            if sent is not None and e.comm_wait > 0 and e.start - off < sent:
+                samples.append(max(e.start - off + e.comm_wait - sent, 0.0))
+    if not samples:
+        return 0.0
+    samples.sort()
+    mid = len(samples) // 2
+    return samples[mid] if len(samples) % 2 else (samples[mid - 1] + samples[mid]) / 2
+
+
 @dataclass(frozen=True)
 class BubbleStats:
     """Measured vs expected bubble of one pipeline for one step (times in seconds).
 
     Per-rank lists are indexed by pipeline rank. ``bubble`` and ``expected_bubble`` are
     idle/compute ratios (see the module docstring); ``idle_fraction`` is idle/span per rank.
-    ``start_skew`` is how far apart the ranks entered the step (max - min aligned ``t0``).
+    ``start_skew`` is how far apart the ranks entered the step (max - min aligned ``t0``);
+    ``latency`` the measured P2P hop latency (:func:`p2p_latency`) given to the simulator.
     """
 
     span: float
@@ -156,6 +196,7 @@ class BubbleStats:
     expected_bubble: float
     expected_makespan: float
     start_skew: float
+    latency: float
     expected: SimResult
 
     @property
@@ -184,7 +225,11 @@ def bubble_stats(
     idle = [max(span - c, 0.0) for c in compute]
     total = sum(compute)
     bubble = sum(idle) / total if total > 0 else 0.0
-    expected = simulate(schedule, measured_costs(recs))
+    latency = p2p_latency(recs, offs)
+    costs = measured_costs(recs)
+    expected = simulate(
+        schedule, Costs(t_f=costs.t_f, t_b=costs.t_b, overrides=costs.overrides, latency=latency)
+    )
     return BubbleStats(
         span=span,
         compute=compute,
@@ -195,6 +240,7 @@ def bubble_stats(
         expected_bubble=expected.bubble_ratio,
         expected_makespan=expected.makespan,
         start_skew=max(t0s) - min(t0s),
+        latency=latency,
         expected=expected,
     )
 
