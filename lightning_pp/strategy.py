@@ -74,6 +74,14 @@ def _concat_outputs(outputs: Sequence[Any]) -> Any:
     return list(outputs)
 
 
+def _to_cpu(x: Any) -> Any:
+    if isinstance(x, Tensor):
+        return x.cpu()
+    if isinstance(x, (tuple, list)):
+        return type(x)(_to_cpu(t) for t in x)
+    return x
+
+
 class PipelineStrategy(ParallelStrategy):
     """Pipeline-parallel (Megatron-style schedules) x data-parallel training.
 
@@ -536,11 +544,24 @@ class PipelineStrategy(ParallelStrategy):
         return values
 
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        """Last stage returns the batch's output (microbatches concatenated); others ``None``."""
+        """The batch's output (microbatches concatenated), on every rank of the pipeline.
+
+        The last stage computes it and sends it to the other stages, so ``trainer.predict``
+        returns predictions on global rank 0 too (spawn launchers return rank 0's results).
+        """
+        assert self.topology is not None and self.groups is not None
         with self.precision_plugin.predict_step_context():
             result = self.engine.eval_step(args[0], collect_outputs=True)
-        assert self.topology is not None
-        return _concat_outputs(result.outputs) if self.topology.is_last_stage else None
+        self.last_record = result.record
+        payload: list[Any] = [None]
+        if self.topology.is_last_stage:
+            payload = [_concat_outputs(result.outputs)]
+        if self.pp > 1:
+            payload = [_to_cpu(payload[0])]
+            dist.broadcast_object_list(
+                payload, src=self.topology.global_rank(self.pp - 1), group=self.groups.pp_group
+            )
+        return payload[0]
 
     # ------------------------------------------------------------------ collectives
     def barrier(self, name: str | None = None) -> None:
