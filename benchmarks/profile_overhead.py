@@ -19,6 +19,7 @@ import os
 import pstats
 import statistics
 import sys
+import time
 
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -31,8 +32,8 @@ from benchmarks.workloads import Workload
 
 
 def _worker(rank, world, device, args):
-    schedule, m, steps, instrumented, profile_rank = args
-    w = Workload("sleep", t_f=0.0, t_b=0.0)
+    schedule, m, steps, t_f, t_b, profile_rank = args
+    w = Workload("sleep", t_f=t_f, t_b=t_b)
     vpp = SCHEDULE_VPP[schedule]
     runners = {}
     for impl in ("ours", "torch"):
@@ -60,6 +61,15 @@ def _worker(rank, world, device, args):
     out["wait_ms_total"] = 1e3 * sum(e.comm_wait for e in ev)
     out["nonwait_ms_total"] = 1e3 * sum(e.duration - e.comm_wait for e in ev)
     out["record_ms"] = 1e3 * res.record.duration
+    # beyond the nominal sleep: what an action costs on top of its layers' configured cost
+    nominal = {"F": t_f / vpp, "B": t_b / vpp}
+    out["extra_ms_mean"] = 1e3 * statistics.mean(
+        e.duration - e.comm_wait - nominal[e.action.op.value] for e in ev
+    )
+    t0 = time.perf_counter()
+    for _ in range(20):
+        time.sleep(0.005)
+    out["sleep_overshoot_ms"] = 1e3 * ((time.perf_counter() - t0) / 20 - 0.005)
     if rank == profile_rank:
         prof = cProfile.Profile()
         prof.enable()
@@ -82,17 +92,20 @@ def main(argv=None):
     ap.add_argument("--schedule", default="1f1b")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--profile-rank", type=int, default=0)
+    ap.add_argument("--t-f", type=float, default=0.0, help="sleep per rank share, forward (s)")
+    ap.add_argument("--t-b", type=float, default=0.0, help="sleep per rank share, backward (s)")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
     res = launch(
         _worker,
         a.pp,
-        (a.schedule, a.microbatches, a.steps, True, a.profile_rank),
+        (a.schedule, a.microbatches, a.steps, a.t_f, a.t_b, a.profile_rank),
         timeout=900,
     )
     r0 = res[0]
     print(
-        f"zero-cost layers, {a.schedule} p={a.pp} m={a.microbatches}: median step "
+        f"layers t_f={a.t_f} t_b={a.t_b} s per rank, {a.schedule} p={a.pp} "
+        f"m={a.microbatches}: median step "
         f"ours {r0['ours'] * 1e3:.2f} ms, torch {r0['torch'] * 1e3:.2f} ms "
         f"(ours/torch {r0['ours'] / r0['torch']:.3f})"
     )
@@ -100,7 +113,8 @@ def main(argv=None):
         print(
             f"rank {k}: {r['events']} actions, mean {r['action_ms_mean']:.3f} ms/action; "
             f"waiting {r['wait_ms_total']:.2f} ms, not waiting {r['nonwait_ms_total']:.2f} ms, "
-            f"step {r['record_ms']:.2f} ms"
+            f"step {r['record_ms']:.2f} ms; per action beyond nominal cost and waiting: "
+            f"{r['extra_ms_mean']:.3f} ms; time.sleep overshoot {r['sleep_overshoot_ms']:.3f} ms"
         )
     print(res[a.profile_rank]["profile"])
 
