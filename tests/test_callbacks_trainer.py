@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 PP, M, MB_SIZE, WIDTH, STEPS = 4, 8, 2, 16, 4
-T_F, T_B = 0.030, 0.060  # per stage, seconds: 8 layers, 2 per rank
+T_F, T_B = 0.060, 0.120  # per stage, seconds: 8 layers, 2 per rank
 
 
 def main(out: Path) -> None:

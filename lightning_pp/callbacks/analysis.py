@@ -253,14 +253,19 @@ def measured_timeline(
     """One pipeline's measured timeline in the simulator's format, ordered by pipeline rank.
 
     Times are relative to the earliest aligned ``t0`` and multiplied by ``scale`` (``1e3`` for
-    milliseconds). Feed it to :func:`~lightning_pp.schedules.render_gantt`.
+    milliseconds). A step starts where its wait for received data ended (the wait is idle time,
+    as in the simulator's timeline). Feed it to :func:`~lightning_pp.schedules.render_gantt`.
     """
     offs = _offsets(records, offsets)
     order = sorted(range(len(records)), key=lambda i: records[i].pp_rank)
     base = min(records[i].t0 - offs[i] for i in order)
     return [
         [
-            (e.action, (e.start - offs[i] - base) * scale, (e.end - offs[i] - base) * scale)
+            (
+                e.action,
+                (min(e.start + e.comm_wait, e.end) - offs[i] - base) * scale,
+                (e.end - offs[i] - base) * scale,
+            )
             for e in records[i].events
         ]
         for i in order
