@@ -10,8 +10,11 @@ batch start, so the callbacks' own hooks are inside). Usage::
 Prints one JSON line per run and the relative overhead. Each run is a subprocess (Lightning's
 launcher re-executes it per rank) with a timeout that kills its process tree.
 
-Figures (2-core shared CPU box, pp=4, m=8, t_f=10 ms / t_b=20 ms per stage): see the report in
-docs/callbacks.md ("Overhead").
+Figure measured on the 2-core shared CPU box (load average ~5-7 from other jobs), pp=4, m=8,
+t_f=10 ms / t_b=20 ms per stage, ``--steps 15 --repeats 1``: median step 383 ms without, 456 ms
+with all three callbacks measuring every step (+19 %, ~73 ms per measured step: barrier +
+all-gather of 4 records, simulator run, saved-tensor hooks, ~40 ``pl_module.log`` calls). At
+the default cadence (every ``log_every_n_steps`` = 50 steps) that is ~0.4 % amortized.
 """
 
 from __future__ import annotations
