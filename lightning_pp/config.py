@@ -131,6 +131,13 @@ class RunConfig:
                 return f"command-line override '{self._override_keys[key]}'"
         return self.path
 
+    def section_origin(self, section: str) -> str:
+        """The file, plus every override that touched ``section``."""
+        touched = [v for k, v in self._override_keys.items() if k.split(".")[0] == section]
+        if not touched:
+            return self.path
+        return f"{self.path} with override " + ", ".join(f"'{t}'" for t in touched)
+
     def to_yaml(self) -> str:
         return OmegaConf.to_yaml(OmegaConf.create(self.data))
 

@@ -41,6 +41,9 @@ __all__ = [
 VOCAB_SIZE = 128
 
 
+_PRINTABLE = torch.tensor([c in (9, 10) or 32 <= c < 127 for c in range(VOCAB_SIZE)])
+
+
 def encode(text: str) -> torch.Tensor:
     """Characters -> int64 codes in ``[0, 128)`` (non-ASCII -> ``?``)."""
     raw = text.encode("ascii", errors="replace")
@@ -173,12 +176,14 @@ def generate(
     temperature: float = 0.8,
     top_k: int | None = None,
     seed: int = 0,
+    printable_only: bool = True,
 ) -> str:
     """Continue ``prompt`` one character at a time with a model's ``(1, T) -> (1, T, V)`` logits.
 
     ``temperature == 0`` decodes greedily; otherwise samples from ``softmax(logits / T)``
     (optionally only among the ``top_k`` likeliest characters) with a fixed-seed generator, so a
-    run's sample is reproducible.
+    run's sample is reproducible. ``printable_only`` never emits control characters other than
+    newline and tab (an undertrained model gives them some probability; they garble a terminal).
 
     Example:
         >>> uniform = lambda idx: torch.zeros(idx.shape[0], idx.shape[1], VOCAB_SIZE)
@@ -190,6 +195,8 @@ def generate(
     out: list[int] = []
     for _ in range(max_new_tokens):
         logits = logits_fn(idx[:, -block_size:])[:, -1, :].float().cpu()
+        if printable_only:
+            logits = logits.masked_fill(~_PRINTABLE[: logits.shape[-1]], float("-inf"))
         if temperature <= 0:
             nxt = logits.argmax(dim=-1, keepdim=True)
         else:

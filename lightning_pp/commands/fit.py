@@ -18,6 +18,7 @@ import argparse
 import sys
 import time
 import types
+from collections.abc import Callable
 from typing import Any
 
 from lightning_pp.config import (
@@ -35,17 +36,7 @@ from lightning_pp.config import (
 __all__ = ["LossFile", "build_trainer", "register", "run"]
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add the ``fit`` subcommand to the ``lightning-pp`` parser."""
-    p = subparsers.add_parser(
-        "fit",
-        help="train a model from a YAML run file (+ key=value overrides)",
-        description=(
-            "Load CONFIG, apply key=value overrides (OmegaConf dotlist, e.g. strategy.pp=4), "
-            "check every key against the Trainer/strategy/class signatures, then train."
-        ),
-    )
-    add_config_arguments(p)
+def _fit_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--dry-run",
         action="store_true",
@@ -58,17 +49,55 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="write 'step,loss' per optimizer step to FILE (global rank 0)",
     )
     p.add_argument("--ckpt-path", default=None, help="resume from this checkpoint")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the ``fit`` subcommand to the ``lightning-pp`` parser."""
+    p = subparsers.add_parser(
+        "fit",
+        help="train a model from a YAML run file (+ key=value overrides)",
+        description=(
+            "Load CONFIG, apply key=value overrides (OmegaConf dotlist, e.g. strategy.pp=4), "
+            "check every key against the Trainer/strategy/class signatures, then train."
+        ),
+    )
+    _fit_options(p)
+    add_config_arguments(p, _fit_options)
     p.set_defaults(func=run)
 
 
-def add_config_arguments(p: argparse.ArgumentParser) -> None:
+def add_config_arguments(
+    p: argparse.ArgumentParser, options: Callable[[argparse.ArgumentParser], None] | None = None
+) -> None:
+    """``CONFIG [KEY=VALUE ...]``; options may also come after the overrides.
+
+    argparse cannot give a ``nargs="*"`` positional the values that follow an option
+    (``fit run.yaml --dry-run a=1``), so the overrides take the rest of the command line and
+    :func:`split_options` picks the options back out of it.
+    """
     p.add_argument("config", help="YAML run file (see docs/config.md)")
     p.add_argument(
         "overrides",
-        nargs="*",
+        nargs=argparse.REMAINDER,
         metavar="KEY=VALUE",
         help="dotlist overrides, e.g. trainer.max_steps=200 strategy.microbatches=16",
     )
+    p.set_defaults(_options=options)
+
+
+def split_options(args: argparse.Namespace, command: str) -> None:
+    """Move options found among the overrides into ``args``; raise on an unknown option."""
+    flags = argparse.ArgumentParser(prog=f"lightning-pp {command}", add_help=False)
+    if args._options is not None:
+        args._options(flags)
+    parsed, rest = flags.parse_known_args(args.overrides)
+    for key, value in vars(parsed).items():
+        if value != flags.get_default(key):
+            setattr(args, key, value)
+    unknown = [r for r in rest if r.startswith("-")]
+    if unknown:
+        raise ConfigError(f"unrecognized option(s) {unknown}; overrides are written key=value")
+    args.overrides = rest
 
 
 def fail(command: str, message: str) -> int:
@@ -176,6 +205,19 @@ def check_shape(cfg: RunConfig, launch: LaunchEnvironment | None) -> dict[str, A
                 f"({cfg.origin('strategy.microbatches')})"
             )
         shape["microbatch_size"] = batch_size // microbatches
+    if settings.get("pp") and settings.get("microbatches"):
+        from lightning_pp.schedules import build_schedule
+
+        try:
+            shape["schedule"] = build_schedule(
+                settings["schedule"],
+                pp=settings["pp"],
+                microbatches=settings["microbatches"],
+                vpp=settings["vpp"],
+                group_size=settings.get("group_size"),
+            )
+        except ValueError as err:
+            raise ConfigError(f"strategy ({cfg.section_origin('strategy')}): {err}") from None
     return shape
 
 
@@ -316,6 +358,7 @@ class LossFile(_loss_callback_base()):  # type: ignore[misc]
 
 def run(args: argparse.Namespace) -> int:
     try:
+        split_options(args, "fit")
         cfg = load_config(args.config, args.overrides)
     except ConfigError as err:
         return fail("fit", str(err))
@@ -354,6 +397,10 @@ def train(
         trainer = build_trainer(cfg, launch, losses_out=losses_out)
     except ConfigError as err:
         return fail("fit", str(err))
+    except (ValueError, TypeError) as err:
+        # Raised by a constructor (Trainer, strategy, user class) for a value the schema could
+        # not judge, e.g. PipelineStrategy(pp=0): still the config's fault, not a crash.
+        return fail("fit", f"{cfg.path}: {type(err).__name__}: {err}")
     if trainer.is_global_zero:
         s = strategy_settings(cfg, trainer.world_size)
         shape = (

@@ -21,6 +21,7 @@ from lightning_pp.commands.fit import (
     add_config_arguments,
     check_shape,
     fail,
+    split_options,
 )
 from lightning_pp.config import (
     ConfigError,
@@ -50,6 +51,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
+        split_options(args, "validate")
         cfg = load_config(args.config, args.overrides)
     except ConfigError as err:
         return fail("validate", str(err))
@@ -160,8 +162,15 @@ def describe_partition(info: MetaModelInfo, settings: dict[str, Any]) -> list[st
                 f"  rank {r} chunk {c} (stage {c * pp + r}): "
                 f"{_fmt_layers(rng, info.layer_names)}  {n:,} params"
             )
-        lines.append(f"  rank {r} total: {total:,} params ({_human(total)})")
+        lines.append(
+            f"  rank {r} total: {total:,} params ({_human(total)}); fp32 weights + grads + "
+            f"AdamW states ~ {_gigabytes(16 * total)} (activations not included)"
+        )
     return lines
+
+
+def _gigabytes(n_bytes: float) -> str:
+    return f"{n_bytes / 2**30:.2f} GiB"
 
 
 def _human(n: float) -> str:
@@ -173,7 +182,7 @@ def _human(n: float) -> str:
 
 def report(cfg: RunConfig, command: str = "validate") -> int:
     """Print the plan for ``cfg``; 0 if it is consistent, 2 (with a message) if not."""
-    from lightning_pp.schedules import build_schedule, render_grid, simulate
+    from lightning_pp.schedules import render_grid, simulate
 
     launch = detect_launch_environment()
     try:
@@ -225,34 +234,19 @@ def report(cfg: RunConfig, command: str = "validate") -> int:
         try:
             out += describe_partition(info, settings)
         except ValueError as err:
-            return fail(command, f"strategy ({cfg.origin('strategy')}): {err}")
+            return fail(command, f"strategy ({cfg.section_origin('strategy')}): {err}")
     elif settings:
         out.append("  (the model has no pipeline_layers(): it can only run with pp=1)")
 
-    if settings and settings.get("pp") and settings.get("microbatches"):
-        name = settings["schedule"]
-        try:
-            schedule = build_schedule(
-                name,
-                pp=settings["pp"],
-                microbatches=settings["microbatches"],
-                vpp=settings["vpp"],
-                group_size=settings.get("group_size"),
-            )
-        except ValueError as err:
-            return fail(command, f"strategy ({cfg.origin('strategy')}): {err}")
+    schedule = shape.get("schedule")
+    if schedule is not None:
         result = simulate(schedule)
         out += [
             "",
-            f"--- schedule ({name}, pp={schedule.pp}, vpp={schedule.vpp}, "
+            f"--- schedule ({schedule.name}, pp={schedule.pp}, vpp={schedule.vpp}, "
             f"microbatches={schedule.microbatches}; default costs t_b = 2 t_f) ---",
         ]
-        grid = render_grid(result)
-        cells = max(len(line) for line in grid.splitlines())
-        if cells > 200:
-            grid = "\n".join(render_grid(result).splitlines()[schedule.pp :])
-            out.append(f"  (grid is {cells} characters wide; showing metrics only)")
-        out.append(grid)
+        out.append(render_grid(result))
     out += ["", f"OK: {cfg.path} is valid (nothing was trained or allocated)."]
     print("\n".join(out))
     return 0
