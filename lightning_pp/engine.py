@@ -37,7 +37,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .failure import DEFAULT_WATCHDOG_TIMEOUT, FailureMonitor, PipelineAborted, PipelineHang
 from .microbatch import batch_size_of, split_microbatches
+from .numerics import (
+    NonFiniteError,
+    all_finite,
+    describe_nonfinite,
+    first_nonfinite_layer,
+    nonfinite_param_grads,
+)
 from .p2p import ACT, GRAD, Message, P2PCommunicator, PendingSend, RecvRequest, format_specs
 from .records import StepEvent, StepRecord
 from .schedules import Action, Op, Schedule
@@ -100,16 +108,24 @@ def _tensor_bytes(tensors) -> int:
 
 
 def _format_grid(schedule: Schedule, rank: int, index: int) -> str:
+    return _format_grid_marks(schedule, {rank: index})
+
+
+def _format_grid_marks(schedule: Schedule, marks: dict[int, int]) -> str:
     try:  # the schedules package's grid marks the failing step; fall back to a plain list
         from .schedules.validate import format_grid
 
-        return format_grid(schedule, {rank: index})
+        return format_grid(schedule, marks)
     except Exception:  # pragma: no cover - only when the validator module is unavailable
         show = schedule.vpp > 1
         return "\n".join(
             f"rank {r}: " + " ".join(a.short(show) for a in acts)
             for r, acts in enumerate(schedule.ranks)
         )
+
+
+def _as_list(x: Any) -> list[Any]:
+    return list(x) if isinstance(x, (tuple, list)) else [x]
 
 
 def _default_input_fn(mb: Any) -> Any:
@@ -156,6 +172,9 @@ class PipelineEngine:
         device: torch.device | str | None = None,
         static_shapes: bool = False,
         measure_memory: bool = False,
+        watchdog_timeout: float | None = DEFAULT_WATCHDOG_TIMEOUT,
+        abort_on_failure: bool = True,
+        check_finite: bool = False,
     ) -> None:
         if schedule.pp != topology.pp:
             raise ValueError(
@@ -181,13 +200,25 @@ class PipelineEngine:
         self.release_outputs = release_outputs
         self.on_chunk_grads_ready = on_chunk_grads_ready
         self.measure_memory = measure_memory
+        self.check_finite = check_finite
+        self._steps = 0
+        self.monitor: FailureMonitor | None = None
+        if abort_on_failure and dist.is_available() and dist.is_initialized():
+            pipeline = topology.pipeline_ranks
+            self.monitor = FailureMonitor.from_default_store(
+                topology.rank, watchdog_timeout=watchdog_timeout, pipeline_ranks=pipeline
+            )
         if device is None:
             params = [p for c in self.chunks for p in c.parameters()]
             device = params[0].device if params else torch.device("cpu")
         self.device = torch.device(device)
         pp_group = groups.pp_group if groups is not None else None
         self.comm = P2PCommunicator(
-            topology, pp_group, device=self.device, static_shapes=static_shapes
+            topology,
+            pp_group,
+            device=self.device,
+            static_shapes=static_shapes,
+            monitor=self.monitor,
         )
         self._param_storages = {
             p.untyped_storage().data_ptr() for c in self.chunks for p in c.parameters()
@@ -227,6 +258,28 @@ class PipelineEngine:
 
     # -- the loop ------------------------------------------------------------------------------
     def _run(self, schedule: Schedule, batch: Any, *, train: bool, collect: bool) -> StepResult:
+        self._steps += 1
+        try:
+            return self._run_actions(schedule, batch, train=train, collect=collect)
+        except PipelineAborted:
+            raise  # another rank failed first; it reports the cause
+        except Exception as e:
+            self._report(e)
+            raise
+
+    def _report(self, error: Exception) -> None:
+        """Publish this rank's failure on the abort channel so the other ranks stop waiting."""
+        if self.monitor is None:
+            return
+        where = ""
+        if isinstance(error, PipelineStepError) and error.action is not None:
+            where = error.action.describe()
+        cause = error.__cause__ if isinstance(error, PipelineStepError) else None
+        self.monitor.report_failure(where or "step", cause or error)
+
+    def _run_actions(
+        self, schedule: Schedule, batch: Any, *, train: bool, collect: bool
+    ) -> StepResult:
         record = StepRecord(self.rank, self.topology.pp_rank, schedule, t0=time.perf_counter())
         actions = schedule.ranks[self.topology.pp_rank]
         self._mbs = split_microbatches(batch, schedule.microbatches)
@@ -239,9 +292,17 @@ class PipelineEngine:
         sends: list[PendingSend] = []
         last_b = self._last_backward_index(actions) if train else {}
         index, action = -1, None
+        monitor = self.monitor
         try:
             _, pending = self.comm.exchange([], self._needs(actions[0]) if actions else [])
             for index, action in enumerate(actions):
+                if monitor is not None:  # attribute writes only: published if a wait blocks
+                    monitor.set_context(
+                        step=self._steps,
+                        index=index,
+                        action=action.describe(),
+                        pp_rank=self.topology.pp_rank,
+                    )
                 start = time.perf_counter()
                 received = [p.wait() for p in pending]
                 wait = sum(p.waited for p in pending)
@@ -251,16 +312,37 @@ class PipelineEngine:
                 sends.append(posted)
                 if action.op is Op.F and train:
                     self._release(action)
-                if train and last_b.get(action.chunk) == index and self.on_chunk_grads_ready:
-                    self.on_chunk_grads_ready(action.chunk)
+                if train and last_b.get(action.chunk) == index:
+                    if self.check_finite:
+                        self._check_param_grads(action)
+                    if self.on_chunk_grads_ready:
+                        self.on_chunk_grads_ready(action.chunk)
                 sends = [s for s in sends if s.works and not s.done()]
                 record.events.append(self._event(action, start, wait, sends))
                 self._update_peaks(record)
             index, action = len(actions), None
+            if monitor is not None:
+                monitor.set_context(
+                    step=self._steps, index=index, action="end of step", pp_rank=self.pp_rank
+                )
             for s in sends:
                 s.wait()
-        except PipelineStepError:
+        except (PipelineStepError, PipelineAborted):
             raise
+        except PipelineHang as e:
+            marks = {
+                st["pp_rank"]: st["index"]
+                for st in e.states.values()
+                if st.get("step") == self._steps and st.get("pp_rank", -1) >= 0
+            }
+            marks[self.topology.pp_rank] = index
+            raise PipelineStepError(
+                f"{e}\nschedule '{schedule.name}' (each rank's step as it last reported, in "
+                f"brackets; unmarked ranks reported nothing for this step):\n"
+                f"{_format_grid_marks(schedule, marks)}",
+                self.rank,
+                action,
+            ) from e
         except Exception as e:
             what = action.describe() if action is not None else "end of step"
             raise PipelineStepError(
@@ -287,6 +369,10 @@ class PipelineEngine:
         if collect and self._is_last_stage_rank(schedule):
             outputs = [self._outputs[i] for i in sorted(self._outputs)]
         return StepResult(loss=loss, record=record, outputs=outputs)
+
+    @property
+    def pp_rank(self) -> int:
+        return self.topology.pp_rank
 
     def _is_last_stage_rank(self, schedule: Schedule) -> bool:
         return self.topology.pp_rank == (schedule.num_stages - 1) % self.pp
@@ -353,10 +439,17 @@ class PipelineEngine:
                 f"{p.request.peer} (stage {s - 1}) for mb={mb}: received "
                 f"{'tuple ' if p.is_tuple else ''}{format_specs(p.specs)}: {type(e).__name__}: {e}"
             ) from e
+        if self.check_finite:
+            if s == 0 and not all_finite(_as_list(x)):
+                self._nonfinite(action, "input (the batch itself)", _as_list(x), None)
+            if not all_finite(_as_list(out)):
+                self._nonfinite(action, "forward output", _as_list(out), x)
         if last:
             loss = self.loss_fn(out, microbatch)
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 raise TypeError(f"loss_fn must return a scalar tensor, got {loss!r}")
+            if self.check_finite and not all_finite([loss]):
+                self._nonfinite(action, "loss (the model output is finite)", [loss], None)
             scale = 1.0
             if self.loss_reduction == "mean":
                 scale = batch_size_of(microbatch) / self._batch_size
@@ -438,7 +531,41 @@ class PipelineEngine:
         )
         if not in_grads:
             return []
+        if self.check_finite and not all_finite(in_grads):
+            self._nonfinite(
+                action, "input gradient (the gradient it received was finite)", in_grads, None
+            )
         return [Message(GRAD, self._rank_of(s - 1), s - 1, mb, in_grads, True)]
+
+    # -- non-finite values -----------------------------------------------------------------------
+    def _where(self, chunk: int) -> str:
+        idx = getattr(self.chunks[chunk], "layer_indices", None)
+        layers = f", layers {idx[0]}-{idx[-1]}" if idx else ""
+        return f"virtual stage {self._stage(chunk)} (rank {self.rank}, chunk {chunk}{layers})"
+
+    def _nonfinite(self, action: Action, what: str, tensors: Sequence[Any], x: Any) -> None:
+        detail = describe_nonfinite(tensors) or "non-finite values"
+        located = ""
+        if x is not None:
+            found = first_nonfinite_layer(self.chunks[action.chunk], x)
+            located = (
+                f"; first non-finite layer output: layer {found[0]} ({found[1]})"
+                if found
+                else "; re-running the chunk layer by layer gave finite outputs (a random layer "
+                "such as dropout?)"
+            )
+        raise NonFiniteError(
+            f"non-finite {what} of mb={action.mb} at {self._where(action.chunk)}: {detail}{located}"
+        )
+
+    def _check_param_grads(self, action: Action) -> None:
+        bad = nonfinite_param_grads(self.chunks[action.chunk])
+        if bad:
+            raise NonFiniteError(
+                f"non-finite parameter gradients at {self._where(action.chunk)} after its last "
+                f"backward of the step (inputs and received gradients were finite): "
+                + ", ".join(bad)
+            )
 
     # -- bookkeeping ---------------------------------------------------------------------------
     def _event(self, action: Action, start: float, wait: float, sends) -> StepEvent:
@@ -466,5 +593,6 @@ class PipelineEngine:
         loss = self._loss
         if self.pp > 1:
             src = self.topology.global_rank(self.pp - 1)
-            dist.broadcast(loss, src=src, group=self.groups.pp_group)
+            work = dist.broadcast(loss, src=src, group=self.groups.pp_group, async_op=True)
+            self.comm._wait([work], f"waiting for the step's loss from rank {src}")
         return loss.detach()

@@ -50,6 +50,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .failure import FailureMonitor
 from .topology import PipelineTopology
 
 __all__ = [
@@ -122,6 +123,8 @@ class PendingSend:
 
     works: list[Any]
     buffers: list[torch.Tensor]
+    monitor: FailureMonitor | None = None
+    peers: list[int] = field(default_factory=list)
 
     @property
     def nbytes(self) -> int:
@@ -131,8 +134,14 @@ class PendingSend:
         return all(w.is_completed() for w in self.works)
 
     def wait(self) -> None:
-        for w in self.works:
-            w.wait()
+        if self.monitor is not None:
+            peers = sorted(set(self.peers))
+            self.monitor.wait(
+                self.works, f"waiting for its sends to rank(s) {peers} to complete", peer=None
+            )
+        else:
+            for w in self.works:
+                w.wait()
         self.works, self.buffers = [], []
 
 
@@ -154,17 +163,24 @@ class PendingRecv:
     def specs(self) -> list[Spec]:
         return specs_of(self.buffers)
 
+    def describe(self, header: bool = False) -> str:
+        """``waiting for activation of mb=5 chunk=1 from rank 1`` (for hang/abort messages)."""
+        req = self.request
+        pp = self.comm.topology.pp
+        what = f"{_KIND[req.kind]} of mb={req.mb} chunk={req.stage // pp} (stage {req.stage})"
+        if header:
+            what = f"the shape header of the {what}"
+        return f"waiting for {what} from rank {req.peer}"
+
     def wait(self) -> tuple[torch.Tensor, ...]:
         t0 = time.perf_counter()
         try:
             if self.local is not None:
                 return self.local
             if self.header is not None:
-                for w in self.header_works:
-                    w.wait()
+                self.comm._wait(self.header_works, self, True)
                 self.comm._on_header(self)
-            for w in self.works:
-                w.wait()
+            self.comm._wait(self.works, self, False)
             return tuple(self.buffers)
         finally:
             self.waited += time.perf_counter() - t0
@@ -179,6 +195,8 @@ class P2PCommunicator:
         device: where receive buffers are allocated (the CUDA device under NCCL).
         static_shapes: agree activation shapes once per (stage, microbatch), then skip headers.
         header_len: int64 words per header (bounds tensors per activation and their ranks).
+        monitor: abort channel and hang watchdog for every blocking wait (``None``: plain
+            blocking waits, as torch does them).
     """
 
     def __init__(
@@ -189,8 +207,10 @@ class P2PCommunicator:
         device: torch.device | str = "cpu",
         static_shapes: bool = False,
         header_len: int = 64,
+        monitor: FailureMonitor | None = None,
     ) -> None:
         self.topology = topology
+        self.monitor = monitor
         self.group = group
         self.device = torch.device(device)
         self.static_shapes = static_shapes
@@ -203,7 +223,22 @@ class P2PCommunicator:
             # NCCL requires the first batched P2P call on a group to involve every member; a
             # collective first makes communicator creation collective and deterministic.
             probe = torch.zeros(1, device=self.device)
-            dist.all_reduce(probe, group=group)
+            work = dist.all_reduce(probe, group=group, async_op=True)
+            self._wait([work], "waiting for the other pipeline ranks to build their engine")
+
+    def _wait(self, works: Sequence[Any], what: Any, header: bool = False) -> None:
+        """Block on ``works`` through the monitor (abortable, watched) when there is one."""
+        if not works:
+            return
+        if self.monitor is None:
+            for w in works:
+                w.wait()
+            return
+        if isinstance(what, PendingRecv):
+            pending, peer = what, what.request.peer
+            self.monitor.wait(works, lambda: pending.describe(header), peer=peer)
+        else:
+            self.monitor.wait(works, what)
 
     # -- tags and headers ------------------------------------------------------------------
     @staticmethod
@@ -370,7 +405,8 @@ class P2PCommunicator:
                 owner.header_works += ws
             else:
                 owner.works += ws
-        return PendingSend(send_works, send_buffers), pendings
+        peers = [m.peer for m in sends if m.peer != me]
+        return PendingSend(send_works, send_buffers, self.monitor, peers), pendings
 
     def _check_static(self, msg: Message, agreed: tuple[bool, list[Spec]], tensors) -> None:
         is_tuple, specs = agreed

@@ -1,0 +1,410 @@
+"""Failures that end cleanly and together: an abort channel and a hang watchdog.
+
+A pipeline rank that raises leaves its neighbours blocked on receives that will never arrive;
+torch's own process-group timeout (30 minutes by default) is far too long, and the error it
+finally prints names nobody. :class:`FailureMonitor` fixes both:
+
+* **Abort channel.** The rank that fails first writes one key, ``lightning_pp/abort``, into the
+  job's c10d store (``compare_set``, so exactly one rank is "the origin"). Every blocking wait of
+  the P2P layer checks that key every ``poll_interval`` seconds and raises
+  :class:`PipelineAborted` (naming the failed rank, its action and exception type) instead of
+  blocking on. The origin's own error, with its traceback, is printed by the origin only.
+* **Hang watchdog.** A wait that lasts longer than ``watchdog_timeout`` raises
+  :class:`PipelineHang`, naming this rank, what it waits for (``rank 2: waiting for activation of
+  mb=5 chunk=1 from rank 1``) and what the other ranks of its pipeline last published. The engine
+  adds the schedule grid with every known rank's step marked and sets the abort key.
+
+Why a helper thread: gloo's point-to-point ``Work`` objects report ``is_completed() == False``
+until ``wait()`` has been called, and ``wait(timeout)`` poisons the whole gloo context when it
+expires. So the blocking ``wait()`` runs on a helper thread while the calling thread waits on an
+event in short slices, free to raise. Backends whose works report completion (NCCL) are polled
+directly instead. When the wait is already complete the cost is one queue hand-off (tens of
+microseconds); the store is touched only by waits that last longer than ``poll_interval``
+(one ``set`` to publish the rank's state, then one ``check`` per interval).
+
+Example (what the engine does around every blocking wait)::
+
+    monitor = FailureMonitor.from_default_store(rank, watchdog_timeout=300.0)
+    monitor.set_context(step=0, index=3, action="B mb=1 chunk=0", pp_rank=1)
+    monitor.wait(works, "waiting for gradient of mb=1 chunk=0 from rank 2", peer=2)
+    ...
+    except Exception as e:                  # a rank's own failure
+        monitor.report_failure(f"rank {rank}: B mb=1 chunk=0: {type(e).__name__}: {e}")
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+__all__ = [
+    "DEFAULT_POLL_INTERVAL",
+    "DEFAULT_WATCHDOG_TIMEOUT",
+    "FailureMonitor",
+    "PipelineAborted",
+    "PipelineHang",
+    "report_failure",
+]
+
+DEFAULT_WATCHDOG_TIMEOUT = 300.0
+"""Seconds a rank may stay blocked on one point-to-point wait before the watchdog fires."""
+DEFAULT_POLL_INTERVAL = 0.05
+"""Seconds between two checks of the abort key while a wait is blocked."""
+
+_NAMESPACE = "lightning_pp"
+
+
+class PipelineAborted(RuntimeError):
+    """This rank stopped because another rank failed first.
+
+    ``rank``: this rank. ``origin_rank``: the rank that failed (``-1`` if unknown).
+    ``origin``: what the origin published (``rank``, ``where``, ``type``, ``message``). Its full
+    error and traceback are printed by the origin itself; this message names it, without
+    repeating the text, so that the job's log shows the cause once.
+    """
+
+    def __init__(self, message: str, rank: int, origin_rank: int, origin: dict) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.origin_rank = origin_rank
+        self.origin = origin
+
+
+class PipelineHang(RuntimeError):
+    """The watchdog fired: this rank waited longer than ``watchdog_timeout`` on one transfer.
+
+    ``states`` maps global rank -> the state that rank last published (``pp_rank``, ``index``,
+    ``action``, ``what``, ``age``), used by the engine to mark the schedule grid.
+    """
+
+    def __init__(self, message: str, rank: int, what: str, states: dict[int, dict]) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.what = what
+        self.states = states
+
+
+def _decode_origin(raw: str) -> dict:
+    try:
+        origin = json.loads(raw)
+        if isinstance(origin, dict):
+            return origin
+    except ValueError:
+        pass
+    return {"rank": -1, "where": "", "type": "", "message": raw}
+
+
+def _origin_summary(origin: dict) -> str:
+    """``rank 1: F mb=0 chunk=0: ValueError``: who, where, what kind, but not the message."""
+    parts = [f"rank {origin.get('rank', -1)}"]
+    parts += [origin[k] for k in ("where", "type") if origin.get(k)]
+    return ": ".join(parts)
+
+
+class _Waiter(threading.Thread):
+    """Runs blocking ``Work.wait()`` calls so the calling thread can keep watching."""
+
+    def __init__(self) -> None:
+        super().__init__(name="lightning_pp-p2p-wait", daemon=True)
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.start()
+
+    def run(self) -> None:
+        while True:
+            job = self.jobs.get()
+            works, box, done = job
+            try:
+                for w in works:
+                    w.wait()
+            except BaseException as e:  # handed back to the caller, raised there
+                box.append(e)
+            done.set()
+
+
+class FailureMonitor:
+    """Abort channel + hang watchdog for one rank (see the module docstring).
+
+    Args:
+        store: a c10d store shared by every rank of the job (``None``: no abort channel; the
+            watchdog still fires, but cannot name the others or stop them).
+        rank: this process's global rank.
+        watchdog_timeout: seconds one wait may block before :class:`PipelineHang`; ``None``
+            disables the watchdog (the abort channel stays on).
+        poll_interval: seconds between abort-key checks during a blocked wait.
+        poll_works: wait by polling ``Work.is_completed()`` (NCCL) instead of a helper thread
+            (gloo, whose works complete only inside ``wait()``).
+
+    Example::
+
+        monitor = FailureMonitor.from_default_store(rank=3, watchdog_timeout=5.0)
+        monitor.wait(works, "waiting for activation of mb=0 chunk=0 from rank 2", peer=2)
+    """
+
+    def __init__(
+        self,
+        store: Any,
+        rank: int,
+        *,
+        watchdog_timeout: float | None = DEFAULT_WATCHDOG_TIMEOUT,
+        poll_interval: float = DEFAULT_POLL_INTERVAL,
+        poll_works: bool = False,
+        pipeline_ranks: Sequence[int] = (),
+    ) -> None:
+        if watchdog_timeout is not None and not watchdog_timeout > 0:
+            raise ValueError(
+                f"watchdog_timeout must be a positive number of seconds or None (disabled), "
+                f"got {watchdog_timeout!r}"
+            )
+        if not poll_interval > 0:
+            raise ValueError(f"poll_interval must be > 0 seconds, got {poll_interval!r}")
+        self.store = store
+        self.rank = rank
+        self.watchdog_timeout = watchdog_timeout
+        self.poll_interval = poll_interval
+        self.poll_works = poll_works
+        self.pipeline_ranks = list(pipeline_ranks)
+        self._context: dict[str, Any] = {"step": 0, "index": -1, "action": "", "pp_rank": -1}
+        self._waiter: _Waiter | None = None
+        self._broken = False  # a wait was abandoned: the helper thread is stuck on it
+
+    @classmethod
+    def from_default_store(cls, rank: int, **kwargs: Any) -> FailureMonitor:
+        """A monitor on the default process group's store (requires ``init_process_group``)."""
+        import torch.distributed as dist
+
+        store = None
+        try:
+            store = dist.distributed_c10d._get_default_store()
+        except Exception:  # no default group / private API changed: watchdog without channel
+            store = None
+        if "poll_works" not in kwargs:
+            try:
+                kwargs["poll_works"] = dist.get_backend() == "nccl"
+            except Exception:
+                kwargs["poll_works"] = False
+        return cls(store, rank, **kwargs)
+
+    # -- keys ----------------------------------------------------------------------------------
+    @staticmethod
+    def abort_key() -> str:
+        return f"{_NAMESPACE}/abort"
+
+    @staticmethod
+    def state_key(rank: int) -> str:
+        return f"{_NAMESPACE}/state/{rank}"
+
+    # -- context (cheap: attribute writes only) -------------------------------------------------
+    def set_context(self, *, step: int, index: int, action: str, pp_rank: int = -1) -> None:
+        """What this rank is doing now; published only if a wait blocks."""
+        self._context = {"step": step, "index": index, "action": action, "pp_rank": pp_rank}
+
+    # -- the abort channel ----------------------------------------------------------------------
+    def aborted(self) -> dict | None:
+        """The origin's failure (``rank``, ``where``, ``type``, ``message``) if some rank has
+        failed, else ``None``."""
+        if self.store is None:
+            return None
+        key = self.abort_key()
+        try:
+            if not self.store.check([key]):
+                return None
+            return _decode_origin(self.store.get(key).decode(errors="replace"))
+        except Exception:  # the store went away: the job is ending; nothing to add
+            return None
+
+    def report_failure(self, where: str, error: BaseException | str) -> bool:
+        """Publish this rank's failure unless another rank did first. True: this rank is first."""
+        return report_failure(self.store, self.rank, where, error)
+
+    def raise_if_aborted(self, what: str = "") -> None:
+        origin = self.aborted()
+        if origin is not None:
+            raise self._aborted_error(origin, what)
+
+    def _aborted_error(self, origin: dict, what: str) -> PipelineAborted:
+        origin_rank = int(origin.get("rank", -1))
+        ctx = self._context
+        doing = what or "between steps"
+        if ctx["action"]:
+            doing += f" (step {ctx['step']}, {ctx['action']})"
+        who = f"rank {origin_rank}" if origin_rank >= 0 else "another rank"
+        return PipelineAborted(
+            f"rank {self.rank}: stopped {doing} because {who} failed first "
+            f"[{_origin_summary(origin)}]; that rank prints the error and its traceback",
+            self.rank,
+            origin_rank,
+            origin,
+        )
+
+    # -- published state --------------------------------------------------------------------
+    def publish(self, what: str) -> None:
+        if self.store is None:
+            return
+        state = dict(self._context, what=what, t=time.time())
+        try:
+            self.store.set(self.state_key(self.rank), json.dumps(state))
+        except Exception:
+            pass
+
+    def peer_states(self, ranks: Sequence[int]) -> dict[int, dict]:
+        """What each of ``ranks`` last published (rank -> state with ``age`` in seconds)."""
+        out: dict[int, dict] = {}
+        if self.store is None:
+            return out
+        now = time.time()
+        for r in ranks:
+            key = self.state_key(r)
+            try:
+                if not self.store.check([key]):
+                    continue
+                state = json.loads(self.store.get(key).decode())
+            except Exception:
+                continue
+            state["age"] = max(0.0, now - state.pop("t", now))
+            out[r] = state
+        return out
+
+    # -- waiting ----------------------------------------------------------------------------
+    def wait(
+        self, works: Sequence[Any], what: str | Callable[[], str], peer: int | None = None
+    ) -> None:
+        """Wait for ``works``; raise :class:`PipelineAborted` or :class:`PipelineHang` instead of
+        blocking forever. ``what`` describes the wait for messages (a string or a callable)."""
+        if not works:
+            return
+        if self._broken:
+            # An earlier wait was abandoned; its works still occupy the helper thread.
+            self.raise_if_aborted(_text(what))
+            raise RuntimeError(
+                f"rank {self.rank}: a previous point-to-point wait was abandoned after an "
+                f"abort or hang; this process group cannot be used for pipeline traffic again"
+            )
+        t0 = time.monotonic()
+        if self.poll_works:
+            done = lambda: all(w.is_completed() for w in works)  # noqa: E731
+            box: list[BaseException] = []
+        else:
+            if self._waiter is None:
+                self._waiter = _Waiter()
+            event, box = threading.Event(), []
+            self._waiter.jobs.put((list(works), box, event))
+            # The first slice is short: most waits finish within it and touch no store.
+            if event.wait(self.poll_interval):
+                self._finish(box, what)
+                return
+            done = event.is_set
+        published = False
+        sleep = 1e-4
+        next_check = t0 + self.poll_interval
+        while not done():
+            now = time.monotonic()
+            if now >= next_check:
+                if not published:
+                    self.publish(_text(what))
+                    published = True
+                origin = self.aborted()
+                if origin is not None:
+                    self._broken = not self.poll_works
+                    raise self._aborted_error(origin, _text(what))
+                if self.watchdog_timeout is not None and now - t0 > self.watchdog_timeout:
+                    self._broken = not self.poll_works
+                    raise self._hang_error(_text(what), now - t0, peer)
+                next_check = now + self.poll_interval
+            if self.poll_works:
+                time.sleep(sleep)
+                sleep = min(sleep * 2, 2e-3)
+            else:
+                event.wait(max(1e-4, next_check - time.monotonic()))
+        if self.poll_works:
+            for w in works:  # surfaces a backend error of a completed work
+                try:
+                    w.wait()
+                except BaseException as e:
+                    box.append(e)
+                    break
+        self._finish(box, what)
+
+    def _finish(self, box: list[BaseException], what: str | Callable[[], str]) -> None:
+        if not box:
+            return
+        # A transfer failed (typically "connection closed by peer"): if a rank has published a
+        # failure, this is its consequence, not a second culprit.
+        origin = self.aborted()
+        if origin is None:
+            time.sleep(self.poll_interval)  # the origin writes before its sockets close
+            origin = self.aborted()
+        if origin is not None and origin.get("rank") != self.rank:
+            raise self._aborted_error(origin, _text(what)) from box[0]
+        raise box[0]
+
+    def _hang_error(self, what: str, waited: float, peer: int | None) -> PipelineHang:
+        ctx = self._context
+        lines = [
+            f"rank {self.rank}: watchdog: blocked {waited:.1f} s (watchdog_timeout="
+            f"{self.watchdog_timeout:g} s) {what}"
+            + (f" (step {ctx['step']}, {ctx['action']})" if ctx["action"] else "")
+        ]
+        others = [r for r in self.pipeline_ranks if r != self.rank]
+        if peer is not None and peer not in others and peer != self.rank:
+            others.append(peer)
+        states = self.peer_states(others)
+        if others:
+            lines.append("the other ranks of this pipeline, as they last reported:")
+            for r in others:
+                tag = " (the peer)" if r == peer else ""
+                s = states.get(r)
+                if s is None:
+                    lines.append(
+                        f"  rank {r}{tag}: nothing published (computing, finished, not started, "
+                        f"or never blocked longer than {self.poll_interval:g} s)"
+                    )
+                else:
+                    lines.append(
+                        f"  rank {r}{tag}: step {s['step']} {s['action'] or '-'}: {s['what']} "
+                        f"(reported {s['age']:.1f} s ago)"
+                    )
+        lines.append(
+            "likely causes: ranks running different schedules or microbatch counts, a peer "
+            "stuck in user code or a collective, a shape the receiver cannot match; raise "
+            "watchdog_timeout if a step is legitimately that slow"
+        )
+        own = dict(ctx, what=what, age=0.0)
+        return PipelineHang("\n".join(lines), self.rank, what, {**states, self.rank: own})
+
+
+def _text(what: str | Callable[[], str]) -> str:
+    return what() if callable(what) else what
+
+
+def report_failure(store: Any, rank: int, where: str, error: BaseException | str) -> bool:
+    """Write the abort key for ``rank`` unless it is already set; True if this call set it.
+
+    ``where`` names what failed (``"F mb=3 chunk=0"``, ``"on_train_batch_end"``); ``error`` is
+    the exception (or a text). Call it from any place that catches a rank's failure outside the
+    engine, e.g. a strategy's ``on_exception``, so the other ranks stop instead of waiting.
+
+    Example::
+
+        store = torch.distributed.distributed_c10d._get_default_store()
+        report_failure(store, dist.get_rank(), "on_train_batch_end", exc)
+    """
+    if store is None:
+        return False
+    if isinstance(error, BaseException):
+        kind, message = type(error).__name__, str(error)
+    else:
+        kind, message = "", str(error)
+    text = json.dumps(
+        {"rank": rank, "where": where, "type": kind, "message": message[:2000], "t": time.time()}
+    )
+    try:
+        current = store.compare_set(FailureMonitor.abort_key(), "", text)
+    except Exception:
+        return False
+    if isinstance(current, bytes):
+        current = current.decode(errors="replace")
+    return current == text
