@@ -53,6 +53,15 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from .checkpoint import (
+    adapt_scheduler_state,
+    load_model_shard,
+    load_optimizer_shard,
+    optimizer_state_by_name,
+    read_index,
+    save_sharded_checkpoint,
+    tied_canonical_names,
+)
 from .grad_sync import DeferredGradSync, TiedGroup, TiedParameterSync, global_grad_norm
 from .model import PipelineLayers, _split_name, select_layers
 from .partition import PipelineChunk, local_layer_indices, partition_layers
@@ -562,6 +571,124 @@ class PipelineStrategy(ParallelStrategy):
                 payload, src=self.topology.global_rank(self.pp - 1), group=self.groups.pp_group
             )
         return payload[0]
+
+    # ------------------------------------------------------------------ checkpoints
+    # A checkpoint is a directory: every stage writes its own tensors by original name, rank 0
+    # Lightning's metadata (format: lightning_pp/checkpoint.py, docs/checkpoints.md). It is
+    # loaded after setup, so each rank (of any later shape) reads only its own layers.
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        return False  # load_checkpoint restores the optimizers by parameter name
+
+    def _canonical_names(self) -> dict[str, str]:
+        module = self.lightning_module
+        return tied_canonical_names(module, module.pipeline_layers())
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """This rank's optimizer state keyed by parameter name (stages' indices would collide)."""
+        optimizer = getattr(optimizer, "_optimizer", optimizer)  # unwrap LightningOptimizer
+        return optimizer_state_by_name(optimizer, self.lightning_module, self._canonical_names())
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+    ) -> None:
+        """Collective: write this rank's shard into the checkpoint directory ``filepath``."""
+        if storage_options is not None:
+            raise TypeError(
+                "PipelineStrategy.save_checkpoint(..., storage_options=...) is not supported: "
+                "the strategy writes a sharded checkpoint directory itself, not via CheckpointIO"
+            )
+        assert self.topology is not None and self.layer_ranges is not None
+        path = self.broadcast(str(filepath))
+        topo = self.topology
+        save_sharded_checkpoint(
+            checkpoint,
+            path,
+            tag=f"pp{topo.pp_rank}" if topo.dp_rank == 0 else None,
+            canonical=self._canonical_names(),
+            layout={
+                "pp": self.pp,
+                "vpp": self.vpp,
+                "dp": topo.dp,
+                "world_size": self.world_size,
+                "num_layers": self.layer_ranges[-1].stop,
+                "layer_ranges": [[r.start, r.stop] for r in self.layer_ranges],
+            },
+            barrier=self.barrier,
+        )
+
+    def load_checkpoint(
+        self, checkpoint_path: Any, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        """Load this rank's layers (and their optimizer state) by name; return the metadata.
+
+        Works whatever pipeline shape wrote the checkpoint: names do not depend on it.
+        """
+        from lightning.fabric.utilities.cloud_io import _load as pl_load
+
+        path = self.broadcast(str(checkpoint_path))
+        index = read_index(path)
+        module = self.lightning_module
+        canonical = self._canonical_names()
+        strict = module.strict_loading
+        trainer = module.trainer
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        used: list[str] = []
+        error = None
+        try:  # any rank's failure is raised on every rank: none is left waiting in a collective
+            used = load_model_shard(path, module, canonical, strict=strict, index=index)
+            if fitting:
+                optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
+                load_optimizer_shard(path, optimizers, module, canonical, index=index)
+        except Exception as exc:
+            error = f"rank {self.global_rank}: {type(exc).__name__}: {exc}"
+        gathered: list[Any] = [(used, error)]
+        if _distributed_is_initialized():
+            gathered = [None] * self.world_size
+            dist.all_gather_object(gathered, (used, error))
+        errors = [e for _, e in gathered if e]
+        if errors:
+            raise RuntimeError(f"loading checkpoint {path!r} failed: " + "; ".join(errors))
+        if strict:
+            saved = {n for names in index["model_files"].values() for n in names}
+            unused = sorted(saved - {n for names, _ in gathered for n in names})
+            if unused:
+                raise RuntimeError(
+                    f"checkpoint {path!r}: {len(unused)} saved tensor(s) belong to no rank of "
+                    f"this model: {unused[:5]} (set LightningModule.strict_loading=False to allow)"
+                )
+        meta = pl_load(
+            f"{path}/{index['meta_file']}", map_location="cpu", weights_only=weights_only
+        )
+        if fitting and "lr_schedulers" in meta:
+            # saved by rank 0: fit its per-group lists to THIS rank's param groups
+            meta["lr_schedulers"] = [
+                adapt_scheduler_state(state, cfg.scheduler.optimizer)
+                for state, cfg in zip(meta["lr_schedulers"], trainer.lr_scheduler_configs)
+            ]
+        return meta
+
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        pass  # done in load_checkpoint, by name, for this rank's layers only
+
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        pass  # done in load_checkpoint
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """Delete a checkpoint directory (ModelCheckpoint's top-k rotation)."""
+        if self.is_global_zero:
+            import shutil
+            from pathlib import Path
+
+            path = Path(filepath)
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            elif path.exists() or path.is_symlink():
+                path.unlink()
 
     # ------------------------------------------------------------------ collectives
     def barrier(self, name: str | None = None) -> None:

@@ -1,0 +1,582 @@
+"""Sharded pipeline checkpoints: each stage saves what it holds, any shape loads it back.
+
+A checkpoint is a **directory** (ModelCheckpoint's ``epoch=0-step=5.ckpt`` becomes a folder)::
+
+    step=5.ckpt/
+      model.pp0.pt   ...  model.pp{P-1}.pt   parameters/buffers of one stage, by original name
+      optim.pp0.pt   ...  optim.pp{P-1}.pt   that stage's optimizer state, keyed by parameter name
+      meta.pt                                Lightning's metadata (loops, callbacks, schedulers...)
+      index.json                             layout + which file holds which name; written last
+
+Names are the LightningModule's own ``state_dict`` keys (``layers.3.qkv.weight``), which do not
+depend on the pipeline shape (:class:`~lightning_pp.model.PipelineLayers` keys layers by their
+original index). So a rank of *any* later shape finds its parameters, and the optimizer state for
+them, by name alone. Tied groups are stored once, under the group's first (canonical) name; data-
+parallel replicas are identical, so only ``dp_rank == 0`` of each stage writes.
+
+Atomicity: all ranks write into a hidden sibling directory ``.NAME.partial-TOKEN``; after every rank
+reported success, rank 0 writes ``index.json`` (the completion marker) and renames the directory to
+its final name. A crash at any point leaves either the previous checkpoint or a ``.partial``
+directory, never a complete-looking one; :func:`read_index` refuses a directory without the marker.
+
+Example::
+
+    from lightning_pp.checkpoint import consolidate_checkpoint
+    state_dict = consolidate_checkpoint("ckpts/step=5.ckpt", "gpt.pt")  # plain, single file
+    model = GPT(**hparams); model.configure_model(); model.load_state_dict(state_dict)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+__all__ = [
+    "CheckpointError",
+    "FORMAT",
+    "INDEX_FILE",
+    "META_FILE",
+    "consolidate_checkpoint",
+    "is_pipeline_checkpoint",
+    "load_model_shard",
+    "load_optimizer_shard",
+    "optimizer_state_by_name",
+    "read_index",
+    "save_sharded_checkpoint",
+    "tied_canonical_names",
+]
+
+FORMAT = "lightning_pp.sharded_checkpoint"
+VERSION = 1
+INDEX_FILE = "index.json"
+META_FILE = "meta.pt"
+_PARTIAL = ".partial-"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint directory is missing, incomplete, or does not match the model."""
+
+
+# ---------------------------------------------------------------------------------- naming
+def tied_canonical_names(module: nn.Module, layers: nn.Module) -> dict[str, str]:
+    """Map every tied member's full name to its group's canonical (first) full name.
+
+    ``layers.tied`` holds names relative to the container (``"0.wte.weight"``); the module's
+    ``state_dict`` keys carry the container's prefix (``"layers.0.wte.weight"``).
+    """
+    prefix = next((n for n, m in module.named_modules() if m is layers), None)
+    if prefix is None:
+        raise ValueError("the PipelineLayers container is not a submodule of the module")
+    full = (lambda n: f"{prefix}.{n}") if prefix else (lambda n: n)
+    mapping: dict[str, str] = {}
+    for group in getattr(layers, "tied", ()):
+        canonical = full(group[0])
+        for name in group:
+            mapping[full(name)] = canonical
+    return mapping
+
+
+def _param_names(module: nn.Module, canonical: Mapping[str, str]) -> dict[int, tuple[str, bool]]:
+    """``id(param) -> (canonical name, whether this process holds the canonical copy)``."""
+    names: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    out = {}
+    for pid, ns in names.items():
+        cname = canonical.get(ns[0], ns[0])
+        out[pid] = (cname, cname in ns)
+    return out
+
+
+# ---------------------------------------------------------------------------------- optimizer
+def optimizer_state_by_name(
+    optimizer: Optimizer, module: nn.Module, canonical: Mapping[str, str] | None = None
+) -> dict[str, Any]:
+    """The optimizer's state keyed by parameter NAME instead of position.
+
+    Returns ``{"state": {name: {...}}, "param_groups": [hyperparameters, ...], "group_of":
+    {name: group index}}``. Only parameters whose canonical copy this process holds are included
+    (a tied copy held elsewhere is saved by its owner; the copies' states are identical).
+    Positions differ between pipeline shapes (each stage has its own optimizer); names do not.
+    """
+    ids = _param_names(module, canonical or {})
+    sd = optimizer.state_dict()
+    index_to_param = [p for g in optimizer.param_groups for p in g["params"]]
+    state: dict[str, Any] = {}
+    group_of: dict[str, int] = {}
+    groups = []
+    for gi, group in enumerate(sd["param_groups"]):
+        groups.append({k: v for k, v in group.items() if k != "params"})
+        for idx in group["params"]:
+            p = index_to_param[idx]
+            if id(p) not in ids:
+                raise CheckpointError(
+                    f"optimizer parameter #{idx} (shape {tuple(p.shape)}) is not a parameter of "
+                    f"{type(module).__name__}; cannot name its state"
+                )
+            name, owner = ids[id(p)]
+            if not owner:
+                continue
+            group_of[name] = gi
+            if idx in sd["state"]:
+                state[name] = sd["state"][idx]
+    return {"state": state, "param_groups": groups, "group_of": group_of}
+
+
+def _optimizer_state_for(
+    optimizer: Optimizer,
+    names: Mapping[int, tuple[str, bool]],
+    saved: Mapping[str, Any],
+    what: str,
+) -> dict[str, Any]:
+    """Positional ``optimizer.state_dict()`` form built from name-keyed ``saved`` entries.
+
+    ``saved``: merged ``{"state": {...}, "group_of": {name: (file, group hyperparameters)}}``.
+    """
+    state: dict[int, Any] = {}
+    groups = []
+    idx = 0
+    missing = []
+    for group in optimizer.param_groups:
+        hyper: dict[str, Any] | None = None
+        params = []
+        for p in group["params"]:
+            name = names[id(p)][0]
+            if name not in saved["group_of"]:
+                missing.append(name)
+            else:
+                hyper = hyper or saved["group_of"][name]
+                if name in saved["state"]:
+                    state[idx] = {
+                        k: v.clone() if isinstance(v, Tensor) else v
+                        for k, v in saved["state"][name].items()
+                    }
+            params.append(idx)
+            idx += 1
+        current = {k: v for k, v in group.items() if k != "params"}
+        groups.append({**current, **(hyper or {}), "params": params})
+    if missing:
+        raise CheckpointError(
+            f"{what}: no optimizer state for {len(missing)} parameter(s): {missing[:5]}"
+            f"{' ...' if len(missing) > 5 else ''}"
+        )
+    return {"state": state, "param_groups": groups}
+
+
+def adapt_scheduler_state(state: dict[str, Any], optimizer: Optimizer) -> dict[str, Any]:
+    """Fit a saved LR-scheduler state to THIS optimizer's param groups.
+
+    Schedulers keep per-group lists (``base_lrs``, ``_last_lr``) whose length is the number of
+    groups of the optimizer that saved them; another pipeline stage (or the unpipelined module) may
+    have a different number. They are rebuilt from the restored groups, which carry
+    ``initial_lr`` (what ``base_lrs`` is made from) and ``lr`` (the last computed rate).
+    """
+    state = dict(state)
+    groups = optimizer.param_groups
+    if "base_lrs" in state and all("initial_lr" in g for g in groups):
+        state["base_lrs"] = [g["initial_lr"] for g in groups]
+    if "_last_lr" in state:
+        state["_last_lr"] = [g["lr"] for g in groups]
+    return state
+
+
+# ---------------------------------------------------------------------------------- files
+def _save_file(obj: Any, path: Path) -> None:
+    """``torch.save`` + fsync (tests replace this function to inject a crash mid-save)."""
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def is_pipeline_checkpoint(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a directory holding a complete sharded checkpoint."""
+    try:
+        read_index(path)
+    except CheckpointError:
+        return False
+    return True
+
+
+def read_index(path: str | os.PathLike) -> dict[str, Any]:
+    """Read and check ``index.json``; raise :class:`CheckpointError` for anything incomplete."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint {str(path)!r} does not exist")
+    if not path.is_dir():
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} is a file, not a lightning_pp sharded checkpoint directory"
+        )
+    index_path = path / INDEX_FILE
+    if not index_path.is_file():
+        hint = " (an interrupted save)" if _PARTIAL in path.name else ""
+        raise CheckpointError(
+            f"checkpoint directory {str(path)!r} has no {INDEX_FILE}: it is incomplete{hint} or "
+            f"not a lightning_pp checkpoint; refusing to load it"
+        )
+    index = json.loads(index_path.read_text())
+    if index.get("format") != FORMAT or not index.get("complete"):
+        raise CheckpointError(f"{index_path} is not a complete {FORMAT} index")
+    if index.get("version", 0) > VERSION:
+        raise CheckpointError(
+            f"{index_path} has format version {index['version']}; this lightning_pp reads <= "
+            f"{VERSION}"
+        )
+    for name in [*index["model_files"], *index["optim_files"], index["meta_file"]]:
+        if not (path / name).is_file():
+            raise CheckpointError(f"checkpoint {str(path)!r} lacks {name} listed in its index")
+    return index
+
+
+def _load_file(path: Path) -> Any:
+    # mmap: a rank pages in only the tensors it takes, not whole stage files
+    return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+
+
+def _name_to_file(files: Mapping[str, Sequence[str]]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for fname, names in files.items():
+        for n in names:
+            out.setdefault(n, fname)
+    return out
+
+
+# ---------------------------------------------------------------------------------- saving
+def _dist() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _all_gather(obj: Any) -> list[Any]:
+    if not _dist():
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _broadcast(obj: Any) -> Any:
+    if not _dist():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _barrier(barrier: Callable[[], None] | None) -> None:
+    if barrier is not None:
+        barrier()
+    elif _dist():
+        dist.barrier()
+
+
+def save_sharded_checkpoint(
+    checkpoint: dict[str, Any],
+    path: str | os.PathLike,
+    *,
+    tag: str | None,
+    canonical: Mapping[str, str],
+    layout: Mapping[str, Any],
+    barrier: Callable[[], None] | None = None,
+) -> Path:
+    """Collective: every rank calls it with its own ``checkpoint`` dict (Lightning's format).
+
+    Args:
+        checkpoint: Lightning's dict; ``state_dict`` holds this rank's tensors and
+            ``optimizer_states`` the dicts of :func:`optimizer_state_by_name`. Consumed.
+        path: the final directory (the same on every rank).
+        tag: file tag of this rank's shard (``"pp2"``), or ``None`` when this rank writes no
+            tensors (a data-parallel replica other than ``dp_rank == 0``).
+        canonical: tied member name -> canonical name (:func:`tied_canonical_names`).
+        layout: shape of the run (pp, vpp, dp, layer ranges), recorded in the index.
+
+    Returns the final directory. Raises on every rank if any rank failed to write its part.
+    """
+    path = Path(path)
+    rank = dist.get_rank() if _dist() else 0
+    tmp: Path | None = None
+    if rank == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        for stale in path.parent.glob(f".{path.name}{_PARTIAL}*"):  # earlier crashed saves
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp = path.parent / f".{path.name}{_PARTIAL}{secrets.token_hex(4)}"
+        tmp.mkdir()
+    tmp = Path(_broadcast(str(tmp)))
+
+    state_dict = checkpoint.pop("state_dict", {})
+    optim_states = checkpoint.pop("optimizer_states", None)
+    report: dict[str, Any] = {"rank": rank, "error": None, "tag": tag}
+    try:
+        if tag is not None:
+            # a tied member is stored once, under its canonical name, by the rank holding that
+            model = {
+                k: v.detach().cpu() if isinstance(v, Tensor) else v
+                for k, v in state_dict.items()
+                if canonical.get(k, k) == k
+            }
+            _save_file(model, tmp / f"model.{tag}.pt")
+            report["model"] = sorted(model)
+            if optim_states is not None:
+                optim = [_to_cpu(s) for s in optim_states]
+                _save_file(optim, tmp / f"optim.{tag}.pt")
+                report["optim"] = sorted({n for s in optim for n in s["group_of"]})
+        if rank == 0:
+            _save_file(checkpoint, tmp / META_FILE)
+    except Exception as exc:  # reported to every rank below: nobody blocks on a failed peer
+        report["error"] = f"{type(exc).__name__}: {exc}"
+    reports = _all_gather(report)
+    errors = [f"rank {r['rank']}: {r['error']}" for r in reports if r["error"]]
+    if errors:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"saving checkpoint {str(path)!r} failed: " + "; ".join(errors))
+
+    if rank == 0:
+        writers = [r for r in reports if r["tag"] is not None]
+        index = {
+            "format": FORMAT,
+            "version": VERSION,
+            "complete": True,
+            "layout": dict(layout),
+            "tied": sorted({(c, n) for n, c in canonical.items() if n != c}),
+            "meta_file": META_FILE,
+            "model_files": {f"model.{r['tag']}.pt": r["model"] for r in writers},
+            "optim_files": {f"optim.{r['tag']}.pt": r["optim"] for r in writers if "optim" in r},
+        }
+        _write_index(tmp, index)
+        _publish(tmp, path)
+    _barrier(barrier)  # nobody returns before the final directory exists
+    return path
+
+
+def _to_cpu(obj: Any) -> Any:
+    if isinstance(obj, Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
+
+
+def _write_index(directory: Path, index: dict[str, Any]) -> None:
+    tmp = directory / f"{INDEX_FILE}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(index, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, directory / INDEX_FILE)
+    _fsync_dir(directory)
+
+
+def _publish(tmp: Path, path: Path) -> None:
+    """Rename the finished directory into place (replacing an older checkpoint of that name)."""
+    old = None
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.exists():
+        # os.replace cannot overwrite a non-empty directory: move the old one aside first
+        old = path.parent / f".{path.name}.old-{secrets.token_hex(4)}"
+        os.replace(path, old)
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------- loading
+def load_model_shard(
+    path: str | os.PathLike,
+    module: nn.Module,
+    canonical: Mapping[str, str],
+    strict: bool = True,
+    index: Mapping[str, Any] | None = None,
+) -> list[str]:
+    """Load the checkpoint's tensors for the names ``module`` holds; return the names used.
+
+    Each key of ``module.state_dict()`` is looked up under its canonical name; only the stage
+    files that hold those names are opened (memory-mapped).
+    """
+    path = Path(path)
+    index = index or read_index(path)
+    where = _name_to_file(index["model_files"])
+    wanted = {k: canonical.get(k, k) for k in module.state_dict()}
+    missing = sorted(k for k, c in wanted.items() if c not in where)
+    if missing and strict:
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} (saved at {_shape(index)}) has no tensors for "
+            f"{len(missing)} name(s) of this rank: {missing[:5]}"
+            f"{' ...' if len(missing) > 5 else ''}"
+        )
+    by_file: dict[str, list[str]] = {}
+    for k, c in wanted.items():
+        if c in where:
+            by_file.setdefault(where[c], []).append(k)
+    state: dict[str, Any] = {}
+    for fname, keys in by_file.items():
+        data = _load_file(path / fname)
+        for k in keys:
+            state[k] = data[wanted[k]]
+    module.load_state_dict(state, strict=strict)
+    return sorted({wanted[k] for k in state})
+
+
+def _merged_optimizer_states(
+    path: Path, index: Mapping[str, Any], names: Iterable[str]
+) -> list[dict[str, Any]]:
+    """Per optimizer: ``{"state": {name: ...}, "group_of": {name: hyperparameters}}``."""
+    names = set(names)
+    files = [f for f, ns in index["optim_files"].items() if names & set(ns)]
+    merged: list[dict[str, Any]] = []
+    for fname in files:
+        for i, saved in enumerate(_load_file(path / fname)):
+            while len(merged) <= i:
+                merged.append({"state": {}, "group_of": {}})
+            for n, gi in saved["group_of"].items():
+                if n in names:
+                    merged[i]["group_of"][n] = saved["param_groups"][gi]
+                    if n in saved["state"]:
+                        merged[i]["state"][n] = saved["state"][n]
+    return merged
+
+
+def load_optimizer_shard(
+    path: str | os.PathLike,
+    optimizers: Sequence[Optimizer],
+    module: nn.Module,
+    canonical: Mapping[str, str],
+    index: Mapping[str, Any] | None = None,
+) -> None:
+    """Load each optimizer's state for the parameters ``module`` holds, found by name."""
+    if not optimizers:
+        return
+    path = Path(path)
+    index = index or read_index(path)
+    if not index["optim_files"]:
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} holds no optimizer state (saved with weights_only=True?)"
+        )
+    names = _param_names(module, canonical)
+    merged = _merged_optimizer_states(path, index, (n for n, _ in names.values()))
+    if len(merged) < len(optimizers):
+        merged += [{"state": {}, "group_of": {}}] * (len(optimizers) - len(merged))
+    for i, optimizer in enumerate(optimizers):
+        sd = _optimizer_state_for(optimizer, names, merged[i], f"{path} optimizer {i}")
+        optimizer.load_state_dict(sd)
+
+
+def _shape(index: Mapping[str, Any]) -> str:
+    lay = index.get("layout", {})
+    return ", ".join(f"{k}={lay[k]}" for k in ("pp", "vpp", "dp") if k in lay) or "unknown shape"
+
+
+# ---------------------------------------------------------------------------------- consolidate
+def consolidated_state_dict(path: str | os.PathLike) -> dict[str, Tensor]:
+    """All stages' tensors in one dict, tied members expanded (same tensor under each name)."""
+    path = Path(path)
+    index = read_index(path)
+    state: dict[str, Tensor] = {}
+    for fname in index["model_files"]:
+        for k, v in _load_file(path / fname).items():
+            state.setdefault(k, v.clone() if isinstance(v, Tensor) else v)
+    for canonical, member in index["tied"]:
+        if canonical in state:
+            state[member] = state[canonical]
+    return dict(sorted(state.items(), key=lambda kv: _natural_key(kv[0])))
+
+
+def _natural_key(name: str) -> list[Any]:
+    return [int(t) if t.isdigit() else t for t in name.split(".")]
+
+
+def consolidate_checkpoint(
+    path: str | os.PathLike,
+    out: str | os.PathLike | None = None,
+    module: Any = None,
+) -> dict[str, Any]:
+    """Merge a sharded checkpoint into one ordinary file.
+
+    Without ``module``: a plain ``state_dict`` (original names, every tied name present) that
+    loads with ``load_state_dict(strict=True)`` into the unpipelined LightningModule.
+
+    With ``module`` (an unpipelined LightningModule of the same architecture; ``configure_model``
+    is called if its layers are not built yet): a full Lightning checkpoint (``state_dict``,
+    ``optimizer_states`` in the positional order of ``module.configure_optimizers()``,
+    ``lr_schedulers``, loops, callbacks, hyperparameters), so a plain ``Trainer`` resumes with
+    ``trainer.fit(module, ckpt_path=out)``.
+
+    Returns what was (or would be) written to ``out``.
+    """
+    path = Path(path)
+    state = consolidated_state_dict(path)
+    if module is None:
+        result: dict[str, Any] = state
+    else:
+        result = _lightning_checkpoint(path, state, module)
+    if out is not None:
+        out = Path(out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.parent / f".{out.name}.tmp-{secrets.token_hex(4)}"
+        _save_file(result, tmp)
+        os.replace(tmp, out)
+    return result
+
+
+def _lightning_checkpoint(path: Path, state: dict[str, Tensor], module: Any) -> dict[str, Any]:
+    from lightning.pytorch.core.optimizer import (
+        _configure_optimizers,
+        _configure_schedulers_automatic_opt,
+        _configure_schedulers_manual_opt,
+    )
+
+    index = read_index(path)
+    meta = torch.load(path / index["meta_file"], map_location="cpu", weights_only=False)
+    if getattr(module, "layers", None) is None and hasattr(module, "configure_model"):
+        module.configure_model()
+    module.load_state_dict(state, strict=True)
+    layers = module.pipeline_layers() if hasattr(module, "pipeline_layers") else None
+    canonical = tied_canonical_names(module, layers) if layers is not None else {}
+    optimizers, schedulers, monitor = _configure_optimizers(module.configure_optimizers())
+    if getattr(module, "automatic_optimization", True):
+        scheduler_configs = _configure_schedulers_automatic_opt(schedulers, monitor)
+    else:
+        scheduler_configs = _configure_schedulers_manual_opt(schedulers)
+    ckpt = dict(meta)
+    ckpt["state_dict"] = state
+    if index["optim_files"] and optimizers:
+        names = _param_names(module, canonical)
+        merged = _merged_optimizer_states(path, index, (n for n, _ in names.values()))
+        opt_states = []
+        for i, optimizer in enumerate(optimizers):
+            sd = _optimizer_state_for(optimizer, names, merged[i], f"{path} optimizer {i}")
+            optimizer.load_state_dict(sd)  # validates, and gives the schedulers their groups
+            opt_states.append(optimizer.state_dict())
+        ckpt["optimizer_states"] = opt_states
+        if "lr_schedulers" in meta:
+            ckpt["lr_schedulers"] = [
+                adapt_scheduler_state(s, cfg.scheduler.optimizer)
+                for s, cfg in zip(meta["lr_schedulers"], scheduler_configs)
+            ]
+    return ckpt

@@ -1,0 +1,166 @@
+"""Checkpoint test phases: train / save / resume the tiny GPT; write per-rank JSON.
+
+Launched by tests/test_checkpoint.py once per process group, one rank per process (the test
+starts the processes itself with LOCAL_RANK/RANK/WORLD_SIZE set, so it can kill the whole group
+the moment one rank dies)::
+
+    LOCAL_RANK=r WORLD_SIZE=4 ... python tests/scripts/ckpt_run.py --out DIR --phases '[...]'
+
+A phase: {"name", "pp", "vpp", "microbatches", "max_steps", "every" (save every N steps into
+"ckpt_dir"), "resume" (ckpt_path for fit), "best_dir" (ModelCheckpoint on val_loss, top-1),
+"fail_rank"/"fail_save" (that rank dies inside its Nth optimizer-file write)}. ``"pp": 0`` runs
+the plain single-process Trainer (no strategy). Output: DIR/<name>.rank<r>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+torch.set_num_threads(1)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import lightning as L  # noqa: E402
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
+from pp_common import GLOBAL_BATCH, MODEL_KW, Progressions, Recorder, dump  # noqa: E402
+from torch.utils.data import DataLoader, DistributedSampler  # noqa: E402
+
+import lightning_pp.checkpoint as ckpt_mod  # noqa: E402
+from lightning_pp import PipelineStrategy  # noqa: E402
+from lightning_pp.models import GPT  # noqa: E402
+
+EPOCH_BATCHES = 5  # checkpoints at step 5 fall on an epoch boundary: plain loaders resume exactly
+
+
+class EpochData(L.LightningDataModule):
+    """Same global batches for any dp; 5 batches per epoch, no shuffling."""
+
+    def __init__(self, dp: int) -> None:
+        super().__init__()
+        self.dp = dp
+        self.train = Progressions(GLOBAL_BATCH * EPOCH_BATCHES, seed=1)
+        self.val = Progressions(GLOBAL_BATCH * 2, seed=2)
+
+    def _loader(self, ds: Any) -> DataLoader:
+        if self.dp == 1:
+            return DataLoader(ds, batch_size=GLOBAL_BATCH, shuffle=False)
+        kw = self.trainer.strategy.distributed_sampler_kwargs
+        sampler = DistributedSampler(ds, shuffle=False, **kw)
+        return DataLoader(ds, batch_size=GLOBAL_BATCH // self.dp, sampler=sampler)
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(self.train)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(self.val)
+
+
+class LRProbe(Callback):
+    def __init__(self) -> None:
+        self.lr: list[float] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.lr.append(trainer.optimizers[0].param_groups[0]["lr"])
+
+
+def _inject_failure(rank: int, fail_rank: int, fail_save: int) -> None:
+    """Make ``fail_rank`` die (os._exit) half-way through its ``fail_save``-th optimizer file."""
+    real = ckpt_mod._save_file
+    count = {"n": 0}
+
+    def save_file(obj: Any, path: Any) -> None:
+        if rank == fail_rank and os.path.basename(str(path)).startswith("optim."):
+            count["n"] += 1
+            if count["n"] == fail_save:
+                with open(path, "wb") as f:
+                    f.write(b"half a file")
+                    f.flush()
+                os._exit(17)
+        real(obj, path)
+
+    ckpt_mod._save_file = save_file
+
+
+def run_phase(spec: dict, out: str, devices: int) -> dict:
+    plain = spec["pp"] == 0
+    world = 1 if plain else int(os.environ.get("WORLD_SIZE", devices))
+    if plain:
+        strategy: Any = "auto"
+        dp = 1
+    else:
+        strategy = PipelineStrategy(
+            pp=spec["pp"],
+            vpp=spec.get("vpp", 1),
+            microbatches=spec.get("microbatches"),
+            schedule=spec.get("schedule"),
+            timeout=timedelta(seconds=90),
+        )
+        dp = world // spec["pp"]
+    rec, lrs = Recorder(), LRProbe()
+    callbacks: list[Callback] = [rec, lrs]
+    every = None
+    if spec.get("every"):
+        every = ModelCheckpoint(
+            dirpath=spec["ckpt_dir"],
+            filename="{step}",
+            every_n_train_steps=spec["every"],
+            save_top_k=-1,
+        )
+        callbacks.append(every)
+    best = None
+    if spec.get("best_dir"):
+        best = ModelCheckpoint(
+            dirpath=spec["best_dir"], monitor="val_loss", mode="min", save_top_k=1
+        )
+        callbacks.append(best)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1 if plain else devices,
+        strategy=strategy,
+        max_steps=spec.get("max_steps", 10),
+        gradient_clip_val=0.5,
+        limit_val_batches=2,
+        num_sanity_val_steps=0,
+        use_distributed_sampler=False,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+    )
+    if "fail_save" in spec:
+        _inject_failure(trainer.global_rank, spec["fail_rank"], spec["fail_save"])
+    trainer.fit(GPT(**MODEL_KW), EpochData(dp), ckpt_path=spec.get("resume"))
+    result = {
+        "rank": trainer.global_rank,
+        "train_loss": rec.train_loss,
+        "lr": lrs.lr,
+        "val": rec.val,
+        "global_step": trainer.global_step,
+        "best": best.best_model_path if best else None,
+        "best_k": sorted(best.best_k_models) if best else None,
+    }
+    dump(os.path.join(out, f"{spec['name']}.rank{trainer.global_rank}.json"), result)
+    if not plain:
+        trainer.strategy.barrier()  # the next phase reuses nothing, but keep ranks in step
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--phases", required=True, help="JSON list of phases")
+    args = parser.parse_args()
+    devices = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    os.makedirs(args.out, exist_ok=True)
+    for spec in json.loads(args.phases):
+        run_phase(spec, args.out, devices)
+
+
+if __name__ == "__main__":
+    main()
