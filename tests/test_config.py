@@ -207,10 +207,10 @@ def test_pipeline_shape_errors_name_the_numbers():
     with pytest.raises(ConfigError, match=r"world size 4 .* not a multiple of strategy.pp=3"):
         check_shape(cfg, None)
     cfg = load_config(DEMO, ["strategy.microbatches=3"])
-    with pytest.raises(ConfigError, match="batch_size=16 .* not divisible by .*microbatches=3"):
+    with pytest.raises(ConfigError, match="batch_size=32 .* not divisible by .*microbatches=3"):
         check_shape(cfg, None)
     shape = check_shape(load_config(DEMO), None)
-    assert (shape["world"], shape["pp"], shape["dp"], shape["microbatch_size"]) == (4, 2, 2, 4)
+    assert (shape["world"], shape["pp"], shape["dp"], shape["microbatch_size"]) == (4, 2, 2, 8)
 
 
 # ------------------------------------------------------------------------------ class specs

@@ -422,7 +422,10 @@ def train(
     if sample_cfg.enabled:
         text = sample_after_fit(trainer, model, cfg, sample_cfg)
         if trainer.is_global_zero and text is not None:
-            print(f"[lightning-pp] sample (prompt {sample_cfg.prompt!r}):\n{text}", flush=True)
+            print(
+                f"[lightning-pp] sample (prompt {sample_cfg.prompt!r}):\n{sample_cfg.prompt}{text}",
+                flush=True,
+            )
     return 0
 
 
