@@ -16,6 +16,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "lightning_pp.commands.schedule",
     "lightning_pp.commands.fit",
     "lightning_pp.commands.validate",
+    "lightning_pp.commands.consolidate",
 )
 
 

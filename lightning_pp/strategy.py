@@ -605,6 +605,9 @@ class PipelineStrategy(ParallelStrategy):
         assert self.topology is not None and self.layer_ranges is not None
         path = self.broadcast(str(filepath))
         topo = self.topology
+        cls = type(self.lightning_module)
+        # lets `lightning-pp consolidate --lightning` rebuild the unpipelined module
+        checkpoint["lightning_pp"] = {"module_class": f"{cls.__module__}:{cls.__qualname__}"}
         save_sharded_checkpoint(
             checkpoint,
             path,

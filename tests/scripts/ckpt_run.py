@@ -132,6 +132,8 @@ def run_phase(spec: dict, out: str, devices: int) -> dict:
         enable_progress_bar=False,
         enable_model_summary=False,
         callbacks=callbacks,
+        enable_checkpointing=bool(every or best),
+        default_root_dir=out,
     )
     if "fail_save" in spec:
         _inject_failure(trainer.global_rank, spec["fail_rank"], spec["fail_save"])

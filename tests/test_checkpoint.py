@@ -1,0 +1,252 @@
+"""Sharded checkpoints under the real Trainer and real gloo process groups.
+
+Three process groups, started by ``tests/scripts/ckpt_launch.py`` (one process per rank):
+
+* A (world 4): 10 straight steps and 5 steps + save, for interleaved (pp=4, vpp=2) and 1F1B
+  (pp=2 x dp=2);
+* B (world 4, NEW processes): resume both for 5 steps at the same shape, and reshard: the
+  interleaved checkpoint at dp=2 x pp=2 and the 1F1B one at pp=4 vpp=2;
+* C (world 2): the interleaved checkpoint at pp=2 vpp=1, then a run whose rank 1 dies half-way
+  through its second save.
+
+Then, in this process: ``lightning-pp consolidate`` (plain state_dict and full Lightning
+checkpoint) and a plain single-process Trainer resuming from the latter.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests" / "scripts"))
+
+from ckpt_launch import launch  # noqa: E402
+from pp_common import MODEL_KW  # noqa: E402
+
+from lightning_pp.checkpoint import (  # noqa: E402
+    CheckpointError,
+    consolidate_checkpoint,
+    is_pipeline_checkpoint,
+    read_index,
+)
+from lightning_pp.cli import main as cli_main  # noqa: E402
+from lightning_pp.models import GPT  # noqa: E402
+
+pytestmark = pytest.mark.timeout(600)
+
+IL = {"pp": 4, "vpp": 2, "microbatches": 4}  # interleaved
+FB = {"pp": 2, "microbatches": 2}  # 1f1b, dp = 2 at world 4
+EXACT_TOL = 1e-7
+RESHARD_TOL = 1e-6
+
+
+def _phase(name: str, shape: dict, **kw) -> dict:
+    return {"name": name, **shape, **kw}
+
+
+def _read(out: Path, name: str, world: int) -> list[dict]:
+    return [json.loads((out / f"{name}.rank{r}.json").read_text()) for r in range(world)]
+
+
+def _check_launch(result: dict, what: str) -> None:
+    assert result["codes"] == [0] * len(result["codes"]), f"{what}:\n{result['output']}"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("ckpt")
+    il_ckpt, fb_ckpt = out / "il_ckpt", out / "fb_ckpt"
+    a = launch(
+        4,
+        [
+            _phase("il_full", IL, max_steps=10),
+            _phase("il_save", IL, max_steps=5, every=5, ckpt_dir=str(il_ckpt)),
+            _phase("fb_full", FB, max_steps=10, best_dir=str(out / "fb_best")),
+            _phase("fb_save", FB, max_steps=5, every=5, ckpt_dir=str(fb_ckpt)),
+        ],
+        out / "a",
+    )
+    _check_launch(a, "group A (train + save)")
+    il5, fb5 = str(il_ckpt / "step=5.ckpt"), str(fb_ckpt / "step=5.ckpt")
+    b = launch(
+        4,
+        [
+            _phase("il_resume", IL, max_steps=10, resume=il5),
+            _phase("fb_resume", FB, max_steps=10, resume=fb5),
+            _phase("il_to_dp2pp2", {"pp": 2, "microbatches": 2}, max_steps=10, resume=il5),
+            _phase("fb_to_pp4vpp2", IL, max_steps=10, resume=fb5),
+        ],
+        out / "b",
+    )
+    _check_launch(b, "group B (new processes: resume, reshard)")
+    c = launch(
+        2,
+        [
+            _phase("il_to_pp2", {"pp": 2, "microbatches": 4}, max_steps=10, resume=il5),
+            # saves at steps 2 and 4; rank 1 dies inside its second optimizer-file write
+            _phase(
+                "crash",
+                {"pp": 2, "microbatches": 2},
+                max_steps=6,
+                every=2,
+                ckpt_dir=str(out / "crash_ckpt"),
+                fail_rank=1,
+                fail_save=2,
+            ),
+        ],
+        out / "c",
+    )
+    return {"out": out, "il5": il5, "fb5": fb5, "crash": c}
+
+
+def _losses(out: Path, group: str, name: str, world: int) -> list[float]:
+    ranks = _read(out / group, name, world)
+    for d in ranks[1:]:  # every rank reports the very same loss
+        assert d["train_loss"] == ranks[0]["train_loss"], name
+    return ranks[0]["train_loss"]
+
+
+def _rel(got: list[float], want: list[float]) -> list[float]:
+    assert len(got) == len(want), (len(got), len(want))
+    return [abs(g - w) / abs(w) for g, w in zip(got, want)]
+
+
+# ---------------------------------------------------------------------------- exact resume
+@pytest.mark.parametrize("cfg", ["il", "fb"], ids=["interleaved", "1f1b_dp2"])
+def test_kill_and_resume_is_exact(runs, cfg):
+    out = runs["out"]
+    full = _losses(out, "a", f"{cfg}_full", 4)
+    first = _losses(out, "a", f"{cfg}_save", 4)
+    resumed = _losses(out, "b", f"{cfg}_resume", 4)
+    assert len(full) == 10 and len(first) == 5 and len(resumed) == 5
+    assert first == full[:5]
+    errs = _rel(resumed, full[5:])
+    assert max(errs) <= EXACT_TOL, errs
+    d_full = _read(out / "a", f"{cfg}_full", 4)[0]
+    d_res = _read(out / "b", f"{cfg}_resume", 4)[0]
+    assert d_res["lr"] == d_full["lr"][5:]  # LR scheduler state restored
+    assert d_res["global_step"] == 10
+
+
+# ---------------------------------------------------------------------------- resharding
+@pytest.mark.parametrize(
+    "name,group,world,source",
+    [
+        ("il_to_dp2pp2", "b", 4, "il"),
+        ("il_to_pp2", "c", 2, "il"),
+        ("fb_to_pp4vpp2", "b", 4, "fb"),
+    ],
+)
+def test_reshard_continues_the_original_run(runs, name, group, world, source):
+    out = runs["out"]
+    full = _losses(out, "a", f"{source}_full", 4)
+    resumed = _losses(out, group, name, world)
+    errs = _rel(resumed, full[5:])
+    # the first step after loading checks the weights; the others optimizer + scheduler state
+    assert max(errs) <= RESHARD_TOL, errs
+    assert (
+        _read(out / group, name, world)[0]["lr"]
+        == _read(out / "a", f"{source}_full", 4)[0]["lr"][5:]
+    )
+
+
+def test_plain_trainer_resumes_from_consolidated_lightning_checkpoint(runs, tmp_path):
+    from ckpt_run import run_phase
+
+    full_ckpt = tmp_path / "full.ckpt"
+    assert cli_main(["consolidate", runs["il5"], str(full_ckpt), "--lightning"]) == 0
+    torch.set_num_threads(1)
+    result = run_phase(
+        {"name": "plain", "pp": 0, "max_steps": 10, "resume": str(full_ckpt)}, str(tmp_path), 1
+    )
+    full = _losses(runs["out"], "a", "il_full", 4)
+    errs = _rel(result["train_loss"], full[5:])
+    assert max(errs) <= RESHARD_TOL, errs
+    assert result["lr"] == _read(runs["out"] / "a", "il_full", 4)[0]["lr"][5:]
+
+
+# ---------------------------------------------------------------------------- format
+def test_on_disk_layout(runs):
+    il, fb = read_index(runs["il5"]), read_index(runs["fb5"])
+    assert il["layout"]["pp"] == 4 and il["layout"]["vpp"] == 2
+    assert sorted(il["model_files"]) == [f"model.pp{r}.pt" for r in range(4)]
+    # dp = 2: only dp_rank 0 of each stage writes (replicas are identical)
+    assert fb["layout"]["dp"] == 2
+    assert sorted(fb["model_files"]) == ["model.pp0.pt", "model.pp1.pt"]
+    assert sorted(fb["optim_files"]) == ["optim.pp0.pt", "optim.pp1.pt"]
+    for index in (il, fb):
+        model_names = [n for names in index["model_files"].values() for n in names]
+        optim_names = [n for names in index["optim_files"].values() for n in names]
+        # every tensor in exactly one file; the tied head weight stored once, under the
+        # embedding's name; optimizer states keyed by name, no collisions between stages
+        assert len(model_names) == len(set(model_names))
+        assert "layers.0.wte.weight" in model_names
+        assert "layers.7.head.weight" not in model_names
+        assert index["tied"] == [["layers.0.wte.weight", "layers.7.head.weight"]]
+        assert len(optim_names) == len(set(optim_names))
+        assert set(optim_names) == set(model_names)
+
+
+def test_best_k_rotation_deletes_checkpoint_directories(runs):
+    d = _read(runs["out"] / "a", "fb_full", 4)[0]
+    vals = [v["val_loss"] for v in d["val"]]
+    assert len(vals) == 2 and vals[1] < vals[0]  # step 10 replaced step 5 as the best
+    entries = sorted(p.name for p in (runs["out"] / "fb_best").iterdir())
+    assert entries == [Path(d["best"]).name] == ["epoch=1-step=10.ckpt"]
+    assert is_pipeline_checkpoint(d["best"])
+
+
+# ---------------------------------------------------------------------------- consolidate
+def test_consolidated_state_dict_loads_strictly_into_plain_module(runs, tmp_path, capsys):
+    out = tmp_path / "gpt.pt"
+    assert cli_main(["consolidate", runs["il5"], str(out)]) == 0
+    assert "pp=4 vpp=2 dp=1" in capsys.readouterr().out
+    state = torch.load(out, weights_only=True)
+    model = GPT(**MODEL_KW)
+    model.configure_model()
+    model.load_state_dict(state, strict=True)
+    assert torch.equal(model.layers[0].wte.weight, model.layers[7].head.weight)
+    # a 1F1B pp2 x dp2 checkpoint gives the same kind of file
+    state_fb = consolidate_checkpoint(runs["fb5"])
+    assert set(state_fb) == set(state)
+
+
+# ---------------------------------------------------------------------------- atomicity
+def test_crash_during_save_leaves_previous_checkpoint_loadable(runs):
+    c = runs["crash"]
+    assert c["codes"][1] == 17, c["output"]  # the injected os._exit
+    assert c["codes"][0] != 0
+    out = runs["out"]
+    # the phase before the crash, in the same processes, completed
+    assert len(_losses(out, "c", "il_to_pp2", 2)) == 5
+    ckpt_dir = out / "crash_ckpt"
+    names = sorted(p.name for p in ckpt_dir.iterdir())
+    assert "step=2.ckpt" in names and "step=4.ckpt" not in names, names
+    partial = [n for n in names if n.startswith(".step=4.ckpt.partial-")]
+    assert len(partial) == 1, names
+    with pytest.raises(CheckpointError, match="incomplete"):
+        read_index(ckpt_dir / partial[0])
+    state = consolidate_checkpoint(ckpt_dir / "step=2.ckpt")
+    model = GPT(**MODEL_KW)
+    model.configure_model()
+    model.load_state_dict(state, strict=True)
+
+
+def test_loading_refuses_incomplete_or_foreign_paths(tmp_path):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        read_index(tmp_path / "nope.ckpt")
+    f = tmp_path / "file.ckpt"
+    f.write_bytes(b"x")
+    with pytest.raises(CheckpointError, match="is a file"):
+        read_index(f)
+    d = tmp_path / "half.ckpt"
+    d.mkdir()
+    (d / "model.pp0.pt").write_bytes(b"x")
+    with pytest.raises(CheckpointError, match="no index.json"):
+        read_index(d)
+    assert cli_main(["consolidate", str(d), str(tmp_path / "o.pt")]) == 2
