@@ -155,7 +155,15 @@ def _optimizer_state_for(
             if name not in saved["group_of"]:
                 missing.append(name)
             else:
-                hyper = hyper or saved["group_of"][name]
+                theirs = saved["group_of"][name]
+                if hyper is None:
+                    hyper, first = theirs, name
+                elif not _same_hyper(hyper, theirs):
+                    raise CheckpointError(
+                        f"{what}: param group {len(groups)} holds {first!r} and {name!r}, which "
+                        f"were saved in groups with different hyperparameters "
+                        f"({_hyper_diff(hyper, theirs)}); group the parameters as when saving"
+                    )
                 if name in saved["state"]:
                     state[idx] = {
                         k: v.clone() if isinstance(v, Tensor) else v
@@ -171,6 +179,21 @@ def _optimizer_state_for(
             f"{' ...' if len(missing) > 5 else ''}"
         )
     return {"state": state, "param_groups": groups}
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    if isinstance(a, Tensor) or isinstance(b, Tensor):
+        return torch.equal(torch.as_tensor(a), torch.as_tensor(b))
+    return a == b
+
+
+def _same_hyper(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    return a.keys() == b.keys() and all(_same_value(a[k], b[k]) for k in a)
+
+
+def _hyper_diff(a: Mapping[str, Any], b: Mapping[str, Any]) -> str:
+    keys = sorted(k for k in a.keys() | b.keys() if not _same_value(a.get(k), b.get(k)))
+    return ", ".join(f"{k}: {a.get(k)!r} vs {b.get(k)!r}" for k in keys)
 
 
 def adapt_scheduler_state(state: dict[str, Any], optimizer: Optimizer) -> dict[str, Any]:
