@@ -289,3 +289,37 @@ def test_launcher_sizes_replace_config_devices():
     )
     shape = check_shape(cfg, env)
     assert (shape["world"], shape["devices"], shape["num_nodes"], shape["dp"]) == (8, 4, 2, 4)
+
+
+def test_fit_trains_a_plain_user_module_in_process(tmp_path, user_module, capsys):
+    """A LightningModule that knows nothing of pipelines trains from YAML (strategy: auto)."""
+    text = BASE + "  enable_checkpointing: false\n  enable_progress_bar: false\n"
+    text += f"  default_root_dir: {tmp_path}\nlogger: false\nstrategy: auto\n"
+    text += "optimizer:\n  _target_: torch.optim.SGD\n  lr: 0.05\n"
+    losses = tmp_path / "losses.csv"
+    assert main(["fit", str(write(tmp_path, text)), "--losses-out", str(losses)]) == 0
+    rows = losses.read_text().splitlines()
+    assert rows[0] == "step,loss" and [r.split(",")[0] for r in rows[1:]] == ["1", "2", "3"]
+    assert "[lightning-pp] fit" in capsys.readouterr().out
+
+
+def test_progress_bar_tokens_and_bubble_from_step_record():
+    from types import SimpleNamespace
+
+    import torch
+
+    from lightning_pp.progress import batch_tokens, last_step_bubble
+    from lightning_pp.records import StepEvent, StepRecord
+    from lightning_pp.schedules import Action, Op, build_schedule
+
+    ids = torch.zeros(4, 16, dtype=torch.long)
+    assert batch_tokens((ids, ids)) == 64
+    assert batch_tokens({"x": torch.zeros(3, 2)}) == 3  # no integer tensor: count samples
+    events = [
+        StepEvent(Action(Op.F, 0), start=0.0, end=1.0),
+        StepEvent(Action(Op.B, 0), start=2.0, end=4.0, comm_wait=0.5),
+    ]
+    record = StepRecord(0, 0, build_schedule("1f1b", 2, 1), t0=0.0, events=events, t1=5.0)
+    # busy = 1.0 + (2.0 - 0.5) = 2.5 of 5.0 seconds -> half the step idle
+    assert last_step_bubble(SimpleNamespace(last_record=record)) == pytest.approx(0.5)
+    assert last_step_bubble(SimpleNamespace()) is None

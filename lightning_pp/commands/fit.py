@@ -324,7 +324,8 @@ class LossFile(_loss_callback_base()):  # type: ignore[misc]
 
     The loss is the one the module logs as its training loss (``train_loss_name``, default
     ``train_loss``), which under the pipeline strategy is the whole pipeline's loss; else the
-    ``loss`` the training step returned.
+    ``loss`` the training step returned. With gradient accumulation, the row is written for the
+    batch that completed the step.
 
     Example:
         >>> cb = LossFile("losses.csv")
@@ -334,21 +335,24 @@ class LossFile(_loss_callback_base()):  # type: ignore[misc]
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self._started = False
+        self._last_step: int | None = None
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, i: int):
+        step = trainer.global_step
+        if not trainer.is_global_zero or step == 0 or step == self._last_step:
+            return
         name = getattr(pl_module, "train_loss_name", "train_loss")
         loss = trainer.callback_metrics.get(name)
         if loss is None and isinstance(outputs, dict):
             loss = outputs.get("loss")
-        if loss is None or not trainer.is_global_zero:
+        if loss is None:
             return
-        mode = "a" if self._started else "w"
-        with open(self.path, mode) as f:
-            if not self._started:
+        first = self._last_step is None
+        with open(self.path, "w" if first else "a") as f:
+            if first:
                 f.write("step,loss\n")
-            f.write(f"{trainer.global_step},{float(loss)!r}\n")
-        self._started = True
+            f.write(f"{step},{float(loss)!r}\n")
+        self._last_step = step
 
 
 # --------------------------------------------------------------------------------------------
