@@ -323,3 +323,13 @@ def test_progress_bar_tokens_and_bubble_from_step_record():
     # busy = 1.0 + (2.0 - 0.5) = 2.5 of 5.0 seconds -> half the step idle
     assert last_step_bubble(SimpleNamespace(last_record=record)) == pytest.approx(0.5)
     assert last_step_bubble(SimpleNamespace()) is None
+
+
+def test_validate_refuses_to_pipeline_a_model_without_layers(tmp_path, user_module, capsys):
+    path = write(tmp_path, BASE + "strategy:\n  pp: 2\n")
+    assert main(["validate", str(path), "trainer.devices=2"]) == 2
+    err = capsys.readouterr().err
+    assert "TinyRegressor" in err and "no pipeline_layers()" in err and "pp(2) x vpp(1)" in err
+    assert main(["fit", str(path), "trainer.devices=2"]) == 2  # refused before any launch
+    assert "no pipeline_layers()" in capsys.readouterr().err
+    assert main(["validate", str(path), "strategy.pp=1"]) == 0

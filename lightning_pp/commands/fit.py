@@ -27,6 +27,7 @@ from lightning_pp.config import (
     RunConfig,
     SampleConfig,
     detect_launch_environment,
+    import_class,
     instantiate,
     is_class_spec,
     load_config,
@@ -205,6 +206,16 @@ def check_shape(cfg: RunConfig, launch: LaunchEnvironment | None) -> dict[str, A
                 f"({cfg.origin('strategy.microbatches')})"
             )
         shape["microbatch_size"] = batch_size // microbatches
+    model_spec = cfg.get("model")
+    if settings and pp * vpp > 1 and is_class_spec(model_spec):
+        target = model_spec.get("class_path", model_spec.get("_target_"))
+        if not hasattr(import_class(target), "pipeline_layers"):
+            raise ConfigError(
+                f"model {target} ({cfg.section_origin('model')}) has no pipeline_layers() "
+                f"(see lightning_pp.model.PipelineMixin), so it cannot be cut into "
+                f"pp({pp}) x vpp({vpp}) chunks; set strategy.pp=1 and strategy.vpp=1, or use a "
+                f"non-pipeline strategy such as 'strategy: ddp'"
+            )
     if settings.get("pp") and settings.get("microbatches"):
         from lightning_pp.schedules import build_schedule
 

@@ -235,8 +235,6 @@ def report(cfg: RunConfig, command: str = "validate") -> int:
             out += describe_partition(info, settings)
         except ValueError as err:
             return fail(command, f"strategy ({cfg.section_origin('strategy')}): {err}")
-    elif settings:
-        out.append("  (the model has no pipeline_layers(): it can only run with pp=1)")
 
     schedule = shape.get("schedule")
     if schedule is not None:
