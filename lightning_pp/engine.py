@@ -152,6 +152,14 @@ class PipelineEngine:
         device: where receive buffers live; default: the first chunk's parameter device.
         static_shapes: agree activation shapes once (see :mod:`lightning_pp.p2p`).
         measure_memory: record bytes saved for backward (``saved_tensors_hooks``; small cost).
+        watchdog_timeout: seconds one point-to-point wait may block before the step fails with
+            the hang report (:class:`~lightning_pp.failure.PipelineHang`); ``None`` disables it.
+        abort_on_failure: publish this rank's failure on the job's c10d store and stop (raise
+            :class:`~lightning_pp.failure.PipelineAborted`) as soon as another rank has failed.
+        check_finite: raise :class:`~lightning_pp.numerics.NonFiniteError` where NaN/inf first
+            appear (activations, loss, gradients; see :mod:`lightning_pp.numerics` for the cost).
+        failure_monitor: use this monitor instead of one on the default store (tests, or
+            several independent engines in one job).
 
     The batch given to ``train_step``/``eval_step`` must already be on ``device``; every rank of
     a pipeline gets the same batch (the first stage reads inputs, the last stage the targets).
@@ -175,6 +183,7 @@ class PipelineEngine:
         watchdog_timeout: float | None = DEFAULT_WATCHDOG_TIMEOUT,
         abort_on_failure: bool = True,
         check_finite: bool = False,
+        failure_monitor: FailureMonitor | None = None,
     ) -> None:
         if schedule.pp != topology.pp:
             raise ValueError(
@@ -202,8 +211,8 @@ class PipelineEngine:
         self.measure_memory = measure_memory
         self.check_finite = check_finite
         self._steps = 0
-        self.monitor: FailureMonitor | None = None
-        if abort_on_failure and dist.is_available() and dist.is_initialized():
+        self.monitor: FailureMonitor | None = failure_monitor
+        if self.monitor is None and abort_on_failure and dist.is_initialized():
             pipeline = topology.pipeline_ranks
             self.monitor = FailureMonitor.from_default_store(
                 topology.rank, watchdog_timeout=watchdog_timeout, pipeline_ranks=pipeline

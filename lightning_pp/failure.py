@@ -319,6 +319,8 @@ class FailureMonitor:
                 sleep = min(sleep * 2, 2e-3)
             else:
                 event.wait(max(1e-4, next_check - time.monotonic()))
+        if published:  # the state said "waiting": correct it, or a hang report would mislead
+            self.publish("computing (its last wait ended)")
         if self.poll_works:
             for w in works:  # surfaces a backend error of a completed work
                 try:

@@ -293,7 +293,18 @@ class P2PCommunicator:
             dist.P2POp(dist.irecv, b, req.peer, self.group, self.tag(req.kind, req.stage, False))
             for b in pending.buffers
         ]
-        pending.works = list(dist.batch_isend_irecv(ops)) if ops else []
+        pending.works = self._post(ops, pending.describe())
+
+    def _post(self, ops: list[dist.P2POp], what: str) -> list[Any]:
+        """``batch_isend_irecv``; a failure caused by a peer that already aborted says so."""
+        if not ops:
+            return []
+        try:
+            return list(dist.batch_isend_irecv(ops))
+        except Exception:
+            if self.monitor is not None:  # e.g. "connection closed by peer" after its failure
+                self.monitor.raise_if_aborted(what)
+            raise
 
     # -- the one entry point ----------------------------------------------------------------
     def exchange(
@@ -392,7 +403,7 @@ class P2PCommunicator:
                 owners.append(p)
                 is_header.append(False)
 
-        works: list[Any] = list(dist.batch_isend_irecv(ops)) if ops else []
+        works: list[Any] = self._post(ops, "posting sends/receives")
         if len(works) == len(ops):
             per_op = [[w] for w in works]
         else:  # coalesced backends (NCCL) return one work for the whole batch

@@ -42,13 +42,23 @@ class DistributedFailure(AssertionError):
     """One or more ranks failed, crashed or were killed.
 
     ``failures`` maps rank -> traceback text (or a reason such as ``killed after timeout``);
-    ``results`` holds the return values of the ranks that finished.
+    ``results`` holds the return values of the ranks that finished; ``pids`` the worker process
+    ids (all reaped when this is raised); ``killed`` the ranks the harness had to kill.
     """
 
-    def __init__(self, message: str, failures: dict[int, str], results: dict[int, Any]):
+    def __init__(
+        self,
+        message: str,
+        failures: dict[int, str],
+        results: dict[int, Any],
+        pids: list[int] | None = None,
+        killed: list[int] | None = None,
+    ):
         super().__init__(message)
         self.failures = failures
         self.results = results
+        self.pids = pids or []
+        self.killed = killed or []
 
 
 def _worker(
@@ -143,6 +153,7 @@ def run_distributed(
     start = time.monotonic()
     deadline = start + timeout
     first_failure: float | None = None
+    killed: list[int] = []
     try:
         while len(done) + len(failures) < world_size:
             now = time.monotonic()
@@ -177,6 +188,7 @@ def run_distributed(
     finally:
         for r, p in enumerate(procs):
             if r not in done and r not in failures:
+                killed.append(r)
                 elapsed = time.monotonic() - start
                 if first_failure is not None:
                     failed = sorted(failures)
@@ -201,5 +213,7 @@ def run_distributed(
             + "\n".join(parts),
             failures,
             done,
+            [p.pid for p in procs],
+            killed,
         )
     return [done[r] for r in range(world_size)]
