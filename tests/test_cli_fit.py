@@ -139,7 +139,7 @@ CLI = [sys.executable, "-m", "lightning_pp.cli"]
 def test_validate_demo_shows_partition_and_schedule(capsys):
     from lightning_pp.cli import main
 
-    assert main(["validate", DEMO]) == 0
+    assert main(["validate", str(REPO / DEMO)]) == 0
     out = capsys.readouterr().out
     assert "pp=2 x dp=2" in out
     assert "rank 0 chunk 0 (stage 0): layers 0-2 (Embedding, Block x2)" in out
@@ -147,7 +147,10 @@ def test_validate_demo_shows_partition_and_schedule(capsys):
     assert "rank 0 | F0 F1" in out and "rank 1 | .  F0 B0" in out
     assert "bubble ratio:   0.2500" in out  # (p-1)/m = 1/4
     # `fit --dry-run` is the same report
-    assert main(["fit", DEMO, "--dry-run", "strategy.pp=4", "strategy.microbatches=8"]) == 0
+    assert (
+        main(["fit", str(REPO / DEMO), "--dry-run", "strategy.pp=4", "strategy.microbatches=8"])
+        == 0
+    )
     out = capsys.readouterr().out
     assert "pp=4 x dp=1" in out and "rank 3 chunk 0 (stage 3)" in out
     assert "bubble ratio:   0.3750" in out  # 3/8
@@ -233,3 +236,11 @@ def test_fit_single_launcher_and_torchrun_two_nodes_give_same_losses(tmp_path):
         assert abs(a - b) <= 1e-6 * abs(a), f"step {step}: single launcher {a} vs torchrun {b}"
     assert ref[-1][1] < ref[0][1], f"loss did not drop: {ref}"
     json.dumps(ref)  # plain numbers
+
+
+@pytest.mark.parametrize("config", sorted(p.name for p in (REPO / "configs").glob("*.yaml")))
+def test_every_shipped_config_validates(config, capsys):
+    from lightning_pp.cli import main
+
+    assert main(["validate", str(REPO / "configs" / config)]) == 0, capsys.readouterr().err
+    assert "is valid (nothing was trained or allocated)" in capsys.readouterr().out
