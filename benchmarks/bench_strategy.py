@@ -91,6 +91,9 @@ def _child(kind: str, steps: int, warmup: int, microbatches: int, device: str, s
         "kind": kind,
         "step_s": measured,
         "median_s": statistics.median(measured),
+        # 10th percentile: interference from other processes only ever adds time, so the low
+        # tail estimates the intrinsic cost on a shared machine
+        "p10_s": statistics.quantiles(measured, n=10)[0] if len(measured) > 1 else measured[0],
         "final_loss": losses[-1] if losses else None,
     }
 
@@ -119,8 +122,11 @@ def run(
 def to_markdown(results: list[dict], meta: dict) -> str:
     plain = [r["median_s"] for r in results if r["kind"] == "plain"]
     pipe = [r["median_s"] for r in results if r["kind"] == "pipeline"]
+    plain10 = [r["p10_s"] for r in results if r["kind"] == "plain"]
+    pipe10 = [r["p10_s"] for r in results if r["kind"] == "pipeline"]
     mp, mq = statistics.median(plain), statistics.median(pipe)
     overhead = mq / mp - 1
+    overhead10 = statistics.median(pipe10) / statistics.median(plain10) - 1
     verdict = "PASS" if overhead <= 0.05 else "MISS"
     lines = [
         "## Strategy overhead: PipelineStrategy(pp=1) vs plain Trainer\n",
@@ -131,19 +137,26 @@ def to_markdown(results: list[dict], meta: dict) -> str:
         f"{meta['machine'].get('torch')}, lightning {meta['machine'].get('lightning')}, "
         f"date {meta['machine'].get('date')}, load {meta['machine'].get('loadavg')}",
         f"- command: `{meta['command']}`\n",
-        "| run | plain Trainer ms | PipelineStrategy(pp=1) ms |",
+        "| run | plain Trainer ms (median / p10) | PipelineStrategy(pp=1) ms (median / p10) |",
         "|---|---|---|",
     ]
     for i in range(min(len(plain), len(pipe))):
-        lines.append(f"| {i} | {plain[i] * 1e3:.2f} | {pipe[i] * 1e3:.2f} |")
-    lines.append(f"| **median** | **{mp * 1e3:.2f}** | **{mq * 1e3:.2f}** |\n")
+        lines.append(
+            f"| {i} | {plain[i] * 1e3:.2f} / {plain10[i] * 1e3:.2f} | "
+            f"{pipe[i] * 1e3:.2f} / {pipe10[i] * 1e3:.2f} |"
+        )
+    lines.append(
+        f"| **median over runs** | **{mp * 1e3:.2f}** / {statistics.median(plain10) * 1e3:.2f} | "
+        f"**{mq * 1e3:.2f}** / {statistics.median(pipe10) * 1e3:.2f} |\n"
+    )
     fl = {r["kind"]: r.get("final_loss") for r in results}
     lines.append(
         f"Final training loss after {meta['steps'] + meta['warmup']} steps (same data, same "
         f"init): plain {fl.get('plain')}, pipeline {fl.get('pipeline')}.\n"
     )
     lines.append(
-        f"Target 5 (pp=1 overhead <= 5 %): overhead = {overhead * 100:+.1f} % -> **{verdict}**\n"
+        f"Target 5 (pp=1 overhead <= 5 %): overhead of the medians = {overhead * 100:+.1f} % -> "
+        f"**{verdict}** (overhead of the 10th percentiles: {overhead10 * 100:+.1f} %)\n"
     )
     return "\n".join(lines)
 

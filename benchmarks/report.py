@@ -54,6 +54,31 @@ def memory_bound(schedule, rank: int, chunk_bytes: list[float]) -> float:
     return peak
 
 
+def makespan_with_overhead(name: str, pp: int, vpp: int, m: int, costs: Costs, delta: float):
+    """Simulated makespan when every action costs ``delta`` seconds more than its layers."""
+    c = Costs(t_f=costs.t_f + vpp * delta, t_b=costs.t_b + vpp * delta)
+    return simulate(build_schedule(name, pp=pp, microbatches=m, vpp=vpp), c).makespan
+
+
+def fit_action_overhead(name: str, pp: int, vpp: int, m: int, costs: Costs, measured: float):
+    """The per-action overhead ``delta`` for which the simulator reproduces ``measured``.
+
+    The makespan grows monotonically with ``delta``, so bisection finds it. A schedule-
+    independent ``delta`` fitted on 1F1B and used to predict interleaved separates "the runtime
+    pays a fixed cost per action" from "the schedule itself misbehaves".
+    """
+    lo, hi = 0.0, max(costs.t_f, costs.t_b)
+    if makespan_with_overhead(name, pp, vpp, m, costs, lo) >= measured:
+        return 0.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if makespan_with_overhead(name, pp, vpp, m, costs, mid) < measured:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
 def summarize(r: dict) -> dict:
     """Derived numbers of one record."""
     pp, vpp, m = r["pp"], r["vpp"], r["microbatches"]
@@ -96,6 +121,7 @@ def summarize(r: dict) -> dict:
         "tokens_per_s": samples * r.get("seq", 64) / med if r["workload"] != "sleep" else None,
         "loss": statistics.mean(r["losses"]) if r["losses"] else float("nan"),
         "n_steps": len(steps),
+        "costs": costs,
     }
 
 
@@ -200,10 +226,25 @@ def targets(rows: dict) -> list[tuple[str, str, str]]:
                 meas = a["step_ms"] / b["step_ms"]
                 pred = a["ideal_ms"] / b["ideal_ms"]
                 oks.append(abs(meas / pred - 1) <= 0.05)
-                ev.append(f"p{pp} m{m}: measured {meas:.3f} vs sim {pred:.3f}")
+                # per-action overhead fitted on 1F1B, then used to predict interleaved
+                delta = fit_action_overhead("1f1b", pp, 1, m, a["costs"], a["step_ms"] / 1e3)
+                pred_d = (
+                    a["step_ms"]
+                    / 1e3
+                    / makespan_with_overhead("interleaved", pp, 2, m, b["costs"], delta)
+                )
+                ev.append(
+                    f"p{pp} m{m}: measured {meas:.3f} vs sim {pred:.3f} ({meas / pred - 1:+.1%}); "
+                    f"sim with the {delta * 1e3:.2f} ms/action overhead fitted on 1f1b: "
+                    f"{pred_d:.3f}"
+                )
         if ev:
             out.append(
-                (f"3. interleaved/1f1b speed-up vs sim ({wl})", _verdict(all(oks)), "; ".join(ev))
+                (
+                    f"3. interleaved/1f1b speed-up within 5 % of sim ({wl})",
+                    f"{_verdict(all(oks))} ({sum(oks)}/{len(oks)})",
+                    "; ".join(ev),
+                )
             )
     # 4. memory: 1f1b rank-0 peak flat in m; interleaved rank-0 within 10 % of its bound
     for wl in ("sleep", "transformer"):
