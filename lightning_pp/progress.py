@@ -1,4 +1,4 @@
-"""Progress bar for pipelined runs: loss, tokens per second and the measured pipeline bubble.
+"""Progress bar for pipelined runs (loss, tokens/s, measured bubble) and a per-step loss file.
 
 Lightning's :class:`~lightning.pytorch.callbacks.TQDMProgressBar` with three more fields:
 
@@ -22,9 +22,9 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import TQDMProgressBar
+from lightning.pytorch.callbacks import Callback, TQDMProgressBar
 
-__all__ = ["PipelineProgressBar", "batch_tokens", "last_step_bubble"]
+__all__ = ["LossFile", "PipelineProgressBar", "batch_tokens", "last_step_bubble"]
 
 
 def batch_tokens(batch: Any) -> int:
@@ -155,3 +155,46 @@ class PipelineProgressBar(TQDMProgressBar):
         if bubble is not None:
             items["bubble"] = f"{100 * bubble:.0f}%"
         return items
+
+
+class LossFile(Callback):
+    """Append ``step,loss`` to a CSV file after every optimizer step (global rank 0 only).
+
+    The loss is the one the module logs as its training loss (``train_loss_name``, default
+    ``train_loss``), which under the pipeline strategy is the whole pipeline's loss; else the
+    ``loss`` the training step returned. With gradient accumulation, the row is written for the
+    batch that completed the step.
+
+    Example:
+        >>> cb = LossFile("losses.csv")
+        >>> cb.path
+        'losses.csv'
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._last_step: int | None = None
+
+    def on_train_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        step = trainer.global_step
+        if not trainer.is_global_zero or step == 0 or step == self._last_step:
+            return
+        name = getattr(pl_module, "train_loss_name", "train_loss")
+        loss = trainer.callback_metrics.get(name)
+        if loss is None and isinstance(outputs, dict):
+            loss = outputs.get("loss")
+        if loss is None:
+            return
+        first = self._last_step is None
+        with open(self.path, "w" if first else "a") as f:
+            if first:
+                f.write("step,loss\n")
+            f.write(f"{step},{float(loss)!r}\n")
+        self._last_step = step

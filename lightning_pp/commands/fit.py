@@ -34,7 +34,7 @@ from lightning_pp.config import (
     pipeline_strategy_class,
 )
 
-__all__ = ["LossFile", "build_trainer", "register", "run"]
+__all__ = ["build_trainer", "register", "run", "train"]
 
 
 def _fit_options(p: argparse.ArgumentParser) -> None:
@@ -277,7 +277,7 @@ def build_trainer(
     from lightning.pytorch.callbacks import ProgressBar
 
     from lightning_pp.config import _build_nested
-    from lightning_pp.progress import PipelineProgressBar
+    from lightning_pp.progress import LossFile, PipelineProgressBar
 
     kwargs = {k: _build_nested(v) for k, v in (cfg.get("trainer") or {}).items()}
     if launch is not None:
@@ -317,53 +317,6 @@ def build_model_and_data(cfg: RunConfig) -> tuple[Any, Any]:
             f"({cfg.path}): set model.init_args.vocab_size to at least {vocab}"
         )
     return model, datamodule
-
-
-# --------------------------------------------------------------------------------------------
-# Callbacks used by the command
-# --------------------------------------------------------------------------------------------
-
-
-def _loss_callback_base() -> type:
-    from lightning.pytorch.callbacks import Callback
-
-    return Callback
-
-
-class LossFile(_loss_callback_base()):  # type: ignore[misc]
-    """Append ``step,loss`` to a CSV file after every optimizer step (global rank 0 only).
-
-    The loss is the one the module logs as its training loss (``train_loss_name``, default
-    ``train_loss``), which under the pipeline strategy is the whole pipeline's loss; else the
-    ``loss`` the training step returned. With gradient accumulation, the row is written for the
-    batch that completed the step.
-
-    Example:
-        >>> cb = LossFile("losses.csv")
-        >>> cb.path
-        'losses.csv'
-    """
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self._last_step: int | None = None
-
-    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, i: int):
-        step = trainer.global_step
-        if not trainer.is_global_zero or step == 0 or step == self._last_step:
-            return
-        name = getattr(pl_module, "train_loss_name", "train_loss")
-        loss = trainer.callback_metrics.get(name)
-        if loss is None and isinstance(outputs, dict):
-            loss = outputs.get("loss")
-        if loss is None:
-            return
-        first = self._last_step is None
-        with open(self.path, "w" if first else "a") as f:
-            if first:
-                f.write("step,loss\n")
-            f.write(f"{step},{float(loss)!r}\n")
-        self._last_step = step
 
 
 # --------------------------------------------------------------------------------------------
