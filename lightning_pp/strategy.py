@@ -62,9 +62,11 @@ from .checkpoint import (
     save_sharded_checkpoint,
     tied_canonical_names,
 )
+from .failure import DEFAULT_WATCHDOG_TIMEOUT, PipelineAborted, report_failure
 from .grad_sync import DeferredGradSync, TiedGroup, TiedParameterSync, global_grad_norm
 from .model import PipelineLayers, _split_name, select_layers
 from .partition import PipelineChunk, local_layer_indices, partition_layers
+from .preflight import check_module, check_schedule_args
 from .schedules import build_schedule
 from .topology import PipelineTopology, ProcessGroups, build_process_groups
 
@@ -112,6 +114,11 @@ class PipelineStrategy(ParallelStrategy):
         bucket_cap_mb: data-parallel all-reduce bucket size.
         start_method: ``"popen"`` (re-run the script per rank, like ``ddp``) or ``"spawn"``/
             ``"fork"`` (in-process launch, like ``ddp_spawn``).
+        watchdog_timeout: seconds a rank may block on one pipeline transfer before the step
+            fails with a hang report (rank, awaited message, the other ranks' state, the grid);
+            ``None`` disables. See docs/troubleshooting.md.
+        check_finite: stop at the first NaN/inf (activation, loss or gradient) and name the
+            stage and layer that produced it; costs a check per microbatch (off by default).
 
     Example::
 
@@ -138,6 +145,8 @@ class PipelineStrategy(ParallelStrategy):
         precision_plugin: Precision | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
+        watchdog_timeout: float | None = DEFAULT_WATCHDOG_TIMEOUT,
+        check_finite: bool = False,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -160,6 +169,8 @@ class PipelineStrategy(ParallelStrategy):
         self._start_method = start_method
         self._process_group_backend = process_group_backend
         self._timeout = timeout
+        self.watchdog_timeout = watchdog_timeout
+        self.check_finite = check_finite
         self._num_nodes = 1
         if pp is not None:
             self._check_schedule(pp)  # fail at construction, before any process starts
@@ -224,10 +235,8 @@ class PipelineStrategy(ParallelStrategy):
         return self._process_group_backend
 
     def _check_schedule(self, pp: int) -> None:
-        m = self._microbatches if self._microbatches is not None else pp
-        build_schedule(
-            self.schedule_name, pp=pp, microbatches=m, vpp=self.vpp, group_size=self.group_size
-        )
+        # preflight: the generators' rules, plus a did-you-mean and a bubble warning for m < pp
+        check_schedule_args(self.schedule_name, pp, self._microbatches, self.vpp, self.group_size)
 
     # ------------------------------------------------------------------ launching
     def set_world_ranks(self) -> None:
@@ -307,6 +316,8 @@ class PipelineStrategy(ParallelStrategy):
     @contextmanager
     def model_sharded_context(self) -> Generator[None, None, None]:
         """Around ``configure_model``: PipelineLayers built here hold this rank's layers only."""
+        if self.lightning_module is not None:
+            check_module(self.lightning_module, configured=False)
         with select_layers(self._select_layers):
             yield
 
@@ -436,6 +447,8 @@ class PipelineStrategy(ParallelStrategy):
             release_outputs=self.release_outputs,
             on_chunk_grads_ready=self.grad_sync.on_chunk_grads_ready,
             device=self.root_device,
+            watchdog_timeout=self.watchdog_timeout,
+            check_finite=self.check_finite,
         )
 
     def model_to_device(self) -> None:
@@ -720,6 +733,16 @@ class PipelineStrategy(ParallelStrategy):
         return tensor
 
     # ------------------------------------------------------------------ teardown, registry
+    def on_exception(self, exception: BaseException) -> None:
+        """Publish this rank's failure (e.g. from a callback) so the other ranks stop waiting."""
+        if not isinstance(exception, PipelineAborted) and _distributed_is_initialized():
+            try:
+                store = dist.distributed_c10d._get_default_store()
+            except Exception:
+                store = None
+            report_failure(store, self.global_rank, "Lightning hook or step", exception)
+        super().on_exception(exception)
+
     def teardown(self) -> None:
         module = self.lightning_module
         if module is not None and module._trainer is not None:

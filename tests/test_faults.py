@@ -410,3 +410,58 @@ def test_check_finite_off_lets_nan_through():
 
 def test_aborted_error_is_importable_from_failure():
     assert issubclass(PipelineAborted, RuntimeError)
+
+
+# ---- the real Trainer: Lightning's launcher, a callback raising on one rank -------------------
+
+SCRIPTS = os.path.join(os.path.dirname(__file__), "scripts")
+
+
+def test_trainer_job_ends_when_a_callback_raises_on_one_rank(tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONPATH": SCRIPTS + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        "FAULT_CKPT_DIR": str(tmp_path),
+    }
+    cmd = [sys.executable, os.path.join(SCRIPTS, "fault_trainer.py"), "1", "callback"]
+    proc = subprocess.Popen(
+        cmd,
+        env=env,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"the job did not end after one rank failed:\n{out[-6000:]}")
+    # every process of the job (launcher children included) is gone within a bound
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.2)
+    else:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail(f"processes of the job outlived it:\n{out[-4000:]}")
+    assert proc.returncode != 0, out[-4000:]
+    assert "Injected: injected failure on rank 1 in on_train_batch_end" in out
+    # the ranks that were waiting on rank 1 stopped through the abort channel and named it
+    aborted = [ln for ln in out.splitlines() if "PipelineAborted: rank" in ln]
+    assert aborted, out[-4000:]
+    assert all(
+        "because rank 1 failed first [rank 1: Lightning hook or step: Injected]" in ln
+        for ln in aborted
+    )
