@@ -214,7 +214,11 @@ def report(cfg: RunConfig, command: str = "validate") -> int:
         if shape.get("microbatch_size"):
             line += f" = {shape['microbatches']} microbatches of {shape['microbatch_size']}"
         if isinstance(shape.get("dp"), int):
-            line += f"; global batch {shape['batch_size'] * shape['dp']}"
+            accumulate = (cfg.get("trainer") or {}).get("accumulate_grad_batches", 1)
+            per_step = shape["batch_size"] * shape["dp"] * accumulate
+            line += f"; global batch per optimizer step {per_step}"
+            if accumulate > 1:
+                line += f" (x accumulate_grad_batches={accumulate})"
         out.append(line)
 
     try:
