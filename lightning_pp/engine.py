@@ -316,6 +316,9 @@ class PipelineEngine:
                 received = [p.wait() for p in pending]
                 wait = sum(p.waited for p in pending)
                 out_msgs = self._execute(action, received, pending)
+                # Stamped before the sends are posted: the receiver's data arrival minus this
+                # time is the real hop delay (posting, transfer, the receiver's wake-up).
+                computed = time.perf_counter()
                 nxt = self._needs(actions[index + 1]) if index + 1 < len(actions) else []
                 posted, pending = self.comm.exchange(out_msgs, nxt)
                 sends.append(posted)
@@ -327,7 +330,9 @@ class PipelineEngine:
                     if self.on_chunk_grads_ready:
                         self.on_chunk_grads_ready(action.chunk)
                 sends = [s for s in sends if s.works and not s.done()]
-                record.events.append(self._event(action, start, wait, sends))
+                record.events.append(
+                    self._event(action, start, wait, sends, computed, bool(out_msgs))
+                )
                 self._update_peaks(record)
             index, action = len(actions), None
             if monitor is not None:
@@ -577,7 +582,9 @@ class PipelineEngine:
             )
 
     # -- bookkeeping ---------------------------------------------------------------------------
-    def _event(self, action: Action, start: float, wait: float, sends) -> StepEvent:
+    def _event(
+        self, action: Action, start: float, wait: float, sends, computed: float, sent: bool
+    ) -> StepEvent:
         entries = [e for q in self._stash for e in q]
         stash = _tensor_bytes([t for e in entries for t in (*e.inputs, *e.outputs)])
         return StepEvent(
@@ -589,6 +596,8 @@ class PipelineEngine:
             saved_bytes=sum(e.saved_bytes for e in entries),
             send_bytes=sum(s.nbytes for s in sends),
             inflight=len(entries),
+            compute_end=computed,
+            send_time=computed if sent else None,
         )
 
     @staticmethod

@@ -30,6 +30,10 @@ class StepEvent:
     for backward, summed over live stash entries (only with ``measure_memory=True``, else 0).
     ``send_bytes``: bytes still held by sends not yet known to have completed, after the action.
     ``inflight``: stash entries (microbatch-chunks forwarded, not yet backwarded) after the action.
+    ``compute_end``: when the computation finished, just before the sends were posted (``None``
+    in records that predate it). ``send_time``: when this action's messages were handed to the
+    communicator (equal to ``compute_end``; ``None`` when it sent nothing): a receiver's data
+    arrival minus the sender's ``send_time`` is one real hop delay.
     """
 
     action: Action
@@ -40,6 +44,8 @@ class StepEvent:
     saved_bytes: int = 0
     send_bytes: int = 0
     inflight: int = 0
+    compute_end: float | None = None
+    send_time: float | None = None
 
     @property
     def duration(self) -> float:

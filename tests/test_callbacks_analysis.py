@@ -102,24 +102,89 @@ def test_measured_latency_enters_the_expectation():
     assert stats.bubble > simulate(s).bubble_ratio + 0.05  # the latency-free model would miss it
 
 
-def test_straggling_start_shows_as_extra_bubble():
+def test_straggling_start_shows_as_extra_bubble_in_both():
     s = build_schedule("1f1b", pp=4, microbatches=8)
     sim = simulate(s)
-    recs = records_from_sim(sim, clock_shift=[0.0, -1.5, -1.5, -1.5])  # rank 0 entered 1.5 late
+    recs = records_from_sim(simulate(s, start=[1.5, 0.0, 0.0, 0.0]))  # rank 0 entered 1.5 late
+    recs[0].t0 = recs[0].events[0].start = 1.5
+    recs[0].events[0].comm_wait = 0.0
     stats = bubble_stats(recs)
     assert stats.start_skew == pytest.approx(1.5)
-    assert stats.expected_bubble == pytest.approx(sim.bubble_ratio)
+    assert stats.start == pytest.approx((1.5, 0.0, 0.0, 0.0))
+    # The whole pipeline waits for rank 0: every rank idles 1.5 more, measured...
     assert stats.bubble == pytest.approx((sum(sim.idle) + 4 * 1.5) / sum(sim.busy))
+    # ...and expected: the entry times are an input of the expectation, like the costs.
+    assert stats.expected_bubble == pytest.approx(stats.bubble)
+    assert stats.expected_bubble > sim.bubble_ratio + 0.05
 
 
-def test_late_rank_counts_as_idle_for_everyone_else():
+def test_late_last_rank_start_costs_nothing():
+    # Rank 3 waits for three forwards anyway: entering 1.5 late changes neither number.
+    s = build_schedule("1f1b", pp=4, microbatches=8)
+    sim = simulate(s)
+    recs = records_from_sim(sim)
+    recs[3].t0 = 1.5
+    recs[3].events[0].comm_wait -= 1.5
+    recs[3].events[0].start += 1.5
+    stats = bubble_stats(recs)
+    assert stats.start_skew == pytest.approx(1.5)
+    assert stats.bubble == pytest.approx(sim.bubble_ratio)
+    assert stats.expected_bubble == pytest.approx(sim.bubble_ratio)
+
+
+def test_step_tail_is_reported_outside_the_bubble():
     s = build_schedule("1f1b", pp=2, microbatches=4)
     sim = simulate(s)
     recs = records_from_sim(sim)
-    recs[1].t1 += 2.0  # rank 1 finishes its step 2 time units late (e.g. a slow loss broadcast)
+    recs[1].t1 += 2.0  # rank 1 ends its step 2 time units after the last action (loss broadcast)
     stats = bubble_stats(recs)
-    assert stats.span == pytest.approx(sim.makespan + 2.0)
-    assert stats.idle == pytest.approx([i + 2.0 for i in sim.idle])
+    assert stats.span == pytest.approx(sim.makespan)
+    assert stats.tail == pytest.approx(2.0)
+    assert stats.bubble == pytest.approx(sim.bubble_ratio)
+
+
+def test_hop_latency_counts_from_the_send_not_the_action_end():
+    # The engine stamps an action's end after its sends were posted and its bookkeeping done;
+    # the hop runs from the post. Here every send is posted 0.1 before the end and the data
+    # arrives 0.3 after the post: the latency is 0.3, not 0.2.
+    s = build_schedule("1f1b", pp=4, microbatches=8)
+    real = simulate(s, Costs(t_f=1.0, t_b=2.0, latency=0.2))
+    recs = records_from_sim(real)
+    for rec in recs:
+        for e in rec.events:
+            e.send_time = e.end - 0.1
+    stats = bubble_stats(recs)
+    assert stats.latency == pytest.approx(0.3)
+    assert stats.recv_overhead == pytest.approx(0.0)
+
+
+def test_receive_overhead_is_charged_to_every_receive():
+    # Every receive costs 0.05 of waiting even when its data is long there (header, data
+    # transfer): the expectation must include it on every receiving action.
+    s = build_schedule("interleaved", pp=4, vpp=2, microbatches=8)
+    o = 0.05
+    base = simulate(s, Costs(t_f=1.0, t_b=2.0))
+    overrides = {}
+    for r in range(4):
+        for c in range(2):
+            stage = s.stage(r, c)
+            overrides[(r, c)] = (
+                0.5 + (o if stage > 0 else 0.0),
+                1.0 + (o if stage < s.num_stages - 1 else 0.0),
+            )
+    real = simulate(s, Costs(overrides=overrides))  # the overhead is inside each action...
+    recs = records_from_sim(real)
+    for rec in recs:  # ...and recorded as waiting at its beginning
+        for e in rec.events:
+            stage = s.stage(rec.pp_rank, e.action.chunk)
+            recv = stage > 0 if e.action.op is Op.F else stage < s.num_stages - 1
+            if recv:
+                e.comm_wait += o
+    stats = bubble_stats(recs)
+    assert stats.recv_overhead == pytest.approx(o)
+    assert stats.compute == pytest.approx(base.busy)
+    assert stats.bubble > base.bubble_ratio + 0.01  # the overhead is visible as bubble...
+    assert stats.expected_bubble == pytest.approx(stats.bubble)  # ...and expected
 
 
 def test_bad_records_are_rejected_with_numbers():
@@ -226,3 +291,12 @@ def test_pack_roundtrip_and_single_process_gather():
     assert _unpack(_pack(rec), s) == rec
     step = gather_records(rec, {"x": 1})  # no process group: this rank alone
     assert step.records == [rec] and step.offsets == [0.0] and step.extras == [{"x": 1}]
+
+
+def test_ranks_sharing_a_clock_are_not_shifted_by_the_barrier():
+    from lightning_pp.callbacks.gather import shared_clock_offsets
+
+    # Ranks 0 and 1 read one clock: the barrier released rank 1 2 ms later, which must not move
+    # its events; rank 2 (another host) and rank 3 (unknown clock) use their own reference.
+    got = shared_clock_offsets([10.0, 10.002, 55.0, 7.0], ["a", "a", "b", None])
+    assert got == [10.0, 10.0, 55.0, 7.0]

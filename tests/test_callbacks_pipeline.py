@@ -43,11 +43,11 @@ def _case(
 
 
 def _run_cases(rank: int, world: int, cases: list[dict]) -> list[dict]:
-    from lightning_pp.callbacks.analysis import bubble_stats, memory_stats
+    from lightning_pp.callbacks.analysis import bubble_stats, measured_costs, memory_stats
     from lightning_pp.callbacks.gather import gather_records
     from lightning_pp.engine import PipelineEngine
     from lightning_pp.models.virtual_device import SleepLayer
-    from lightning_pp.schedules import build_schedule
+    from lightning_pp.schedules import build_schedule, simulate
     from lightning_pp.topology import PipelineTopology, build_process_groups
 
     topo = PipelineTopology.from_world(world, rank, pp=PP)
@@ -88,6 +88,10 @@ def _run_cases(rank: int, world: int, cases: list[dict]) -> list[dict]:
                 dict(
                     bubble=s.bubble,
                     expected=s.expected_bubble,
+                    # the same measured costs, without P2P costs or entry skew
+                    costs_only=simulate(schedule, measured_costs(gathered.records)).bubble_ratio,
+                    latency=s.latency,
+                    recv_overhead=s.recv_overhead,
                     span=s.span,
                     expected_span=s.expected_makespan,
                     skew=s.start_skew,
@@ -152,11 +156,14 @@ def test_measured_bubble_matches_simulator(results, index):
         Costs(t_f=T_F, t_b=T_B),
     )
     # The first step pays gloo's lazy pair connections; the later ones are the steady state.
+    for i, s in enumerate(steps):  # shown with -s: the figures quoted in docs/callbacks.md
+        print(f"{case['name']} step {i}: gap {100 * (s['bubble'] - s['expected']):+.2f} points")
     for s in steps[1:]:
         assert abs(s["bubble"] - s["expected"]) < 0.02, s
-        # The measured costs are the sleeps plus a little host overhead, so the expectation
-        # sits near the textbook (p-1)/(v*m) bubble of the ideal costs.
-        assert abs(s["expected"] - ideal.bubble_ratio) < 0.02, (s, ideal.bubble_ratio)
+        # The measured costs are the sleeps plus a little host overhead, so with them alone the
+        # simulator gives nearly the textbook (p-1)/(v*m) bubble of the ideal costs (the full
+        # expectation adds the measured P2P latency, receive overhead and entry skew).
+        assert abs(s["costs_only"] - ideal.bubble_ratio) < 0.02, (s, ideal.bubble_ratio)
         assert s["span"] == pytest.approx(ideal.makespan, rel=0.1)
 
 

@@ -124,6 +124,7 @@ def test_bubble_keys_logged_and_close_to_expectation(run: Path) -> None:
     # Steps after the first (gloo connects pairs lazily on first use).
     for row in bubble_rows[1:]:
         measured, expected = float(row["pp/bubble_fraction"]), float(row["pp/bubble_expected"])
+        print(f"trainer step {row['step']}: gap {100 * (measured - expected):+.2f} points")
         assert abs(measured - expected) < 0.02, (measured, expected)
 
 

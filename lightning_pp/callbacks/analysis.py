@@ -13,19 +13,33 @@ barrier's release spread, microseconds on one host), so offsets are taken *per s
 drift between hosts never accumulates. ``offsets=None`` means the times already share a clock.
 
 **Bubble, defined like the simulator's** ``bubble_ratio``. For one pipeline (one record per
-pipeline rank) the step window is ``[min t0, max t1]`` over its ranks (aligned), of length
-``span``. A rank's *compute* is the sum of its actions' durations minus the time they spent
-blocked on receives (:attr:`StepEvent.compute`); its *idle* time is ``span - compute`` (waiting
-on P2P, ramp-up/drain, the step's edges). Then::
+pipeline rank) the step window runs from the first rank entering the step (min aligned ``t0``)
+to the last action's end, of length ``span``; what follows it (waiting for the last sends, the
+loss broadcast) is reported as ``tail``, outside the bubble, since no schedule model has it. A
+rank's *compute* is the sum of its actions' durations minus the time they spent blocked on
+receives (:attr:`StepEvent.compute`); its *idle* time is ``span - compute`` (waiting on P2P,
+ramp-up/drain, entering the step late). Then::
 
     bubble = sum(idle) / sum(compute)          # idle per unit of useful work, like simulate()
     idle_fraction[r] = idle[r] / span          # share of the step rank r was not computing
 
-The *expected* bubble feeds the same schedule to :func:`~lightning_pp.schedules.simulate` with
-the MEASURED mean compute time of each ``(rank, chunk)`` forward and backward as cost overrides
-and the MEASURED median P2P hop latency (:func:`p2p_latency`) as its ``latency``, so measured
-minus expected isolates what the schedule model does not capture (stragglers, jitter, ranks
-entering the step at different times), not an uneven partition or a slow link.
+The *expected* bubble runs :func:`~lightning_pp.schedules.simulate` on the same schedule and the
+same window with MEASURED inputs only, never the measured idle:
+
+- each ``(rank, chunk)`` forward/backward costs its mean measured compute;
+- each rank starts when it really started its first action (ranks enter a step a few ms apart:
+  a late first rank delays the whole pipeline, a late last rank costs nothing; both numbers
+  agree on that);
+- a receive costs :func:`receive_overhead` (the mean wait of receives whose data was already
+  posted: header, data transfer, waking up) as waiting time at the start of the receiving
+  action, and a cross-rank dependency adds :func:`p2p_latency` (the mean delay from the sender
+  posting to a blocked receiver having the data, timed with ``StepEvent.send_time``) minus that
+  overhead.
+
+Means, not medians: delays add up along the step, and under load their distribution has a long
+tail (a process waking up milliseconds late) that a median would drop. Measured minus expected
+is then what none of these averages capture: where the slow hops and wake-ups fell (on the
+critical path or not), stragglers, clock alignment error across hosts.
 
 Example:
     >>> from lightning_pp.records import StepEvent, StepRecord
@@ -58,6 +72,7 @@ __all__ = [
     "measured_timeline",
     "memory_stats",
     "p2p_latency",
+    "receive_overhead",
     "split_pipelines",
     "trace_events",
 ]
@@ -140,41 +155,62 @@ def measured_costs(records: Sequence[StepRecord]) -> Costs:
     return Costs(overrides=overrides)
 
 
-def p2p_latency(records: Sequence[StepRecord], offsets: Sequence[float] | None = None) -> float:
-    """Median measured delay from a send being posted to the receiver getting the data (s).
-
-    For every action that needed data from another stage (an activation for F, a gradient for
-    B) and started waiting *before* the sender had even posted it, the receiver's wait ended
-    when the data arrived: ``start + comm_wait - sender's end`` is then one sample of the real
-    hop latency (header round trip, transfer, waking the receiver). Actions whose data was
-    already there carry no timing information and are skipped. 0.0 without samples.
-    """
-    offs = _offsets(records, offsets)
+def _receives(records: Sequence[StepRecord], offsets: list[float]):
+    """Every cross-stage receive: ``(receiver start, receiver comm_wait, sender's send time)``,
+    all aligned. The send time is the sender's ``send_time`` (its ``end`` in records without
+    one, e.g. simulated timelines, whose dependencies count from the end)."""
     schedule = records[0].schedule
     last = schedule.num_stages - 1
-    ends: dict[tuple[Op, int, int], float] = {}  # (op, mb, stage) -> aligned end
-    for rec, off in zip(records, offs):
+    sent: dict[tuple[Op, int, int], float] = {}  # (op, mb, stage) -> aligned send time
+    for rec, off in zip(records, offsets):
         for e in rec.events:
-            ends[(e.action.op, e.action.mb, schedule.stage(rec.pp_rank, e.action.chunk))] = (
-                e.end - off
-            )
-    samples = []
-    for rec, off in zip(records, offs):
+            t = e.send_time if e.send_time is not None else e.end
+            sent[(e.action.op, e.action.mb, schedule.stage(rec.pp_rank, e.action.chunk))] = t - off
+    out = []
+    for rec, off in zip(records, offsets):
         for e in rec.events:
             stage = schedule.stage(rec.pp_rank, e.action.chunk)
             if e.action.op is Op.F and stage > 0:
-                sent = ends.get((Op.F, e.action.mb, stage - 1))
+                t = sent.get((Op.F, e.action.mb, stage - 1))
             elif e.action.op is Op.B and stage < last:
-                sent = ends.get((Op.B, e.action.mb, stage + 1))
+                t = sent.get((Op.B, e.action.mb, stage + 1))
             else:
                 continue
-            if sent is not None and e.comm_wait > 0 and e.start - off < sent:
-                samples.append(max(e.start - off + e.comm_wait - sent, 0.0))
-    if not samples:
-        return 0.0
-    samples.sort()
-    mid = len(samples) // 2
-    return samples[mid] if len(samples) % 2 else (samples[mid - 1] + samples[mid]) / 2
+            if t is not None:
+                out.append((e.start - off, e.comm_wait, t))
+    return out
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+def p2p_latency(records: Sequence[StepRecord], offsets: Sequence[float] | None = None) -> float:
+    """Mean measured hop delay: from a send being posted to the blocked receiver having it (s).
+
+    A receive whose action started waiting *before* the sender posted the data (its
+    ``send_time``) was blocked when the data arrived, so ``start + comm_wait - send_time`` is one
+    sample of the real hop (posting, header and data transfer, waking the receiver). Receives
+    whose data was already on its way carry no such information (see
+    :func:`receive_overhead`). The mean, since delays add up along the step. 0.0 without
+    samples; never negative.
+    """
+    recvs = _receives(records, _offsets(records, offsets))
+    return max(_mean([st + wait - sent for st, wait, sent in recvs if st < sent]), 0.0)
+
+
+def receive_overhead(
+    records: Sequence[StepRecord], offsets: Sequence[float] | None = None
+) -> float:
+    """Mean time a receive blocks although its data was posted before it asked (s).
+
+    The engine's receive is not free: the header must be read, the data receive posted and the
+    transfer completed. Receives that started waiting *after* the sender posted show that cost
+    alone. The expectation charges it to every receiving action (as waiting time, like the
+    measurement) and takes it off the hop latency, so both regimes match the simulator.
+    """
+    recvs = _receives(records, _offsets(records, offsets))
+    return max(_mean([wait for st, wait, sent in recvs if st >= sent]), 0.0)
 
 
 @dataclass(frozen=True)
@@ -182,9 +218,13 @@ class BubbleStats:
     """Measured vs expected bubble of one pipeline for one step (times in seconds).
 
     Per-rank lists are indexed by pipeline rank. ``bubble`` and ``expected_bubble`` are
-    idle/compute ratios (see the module docstring); ``idle_fraction`` is idle/span per rank.
-    ``start_skew`` is how far apart the ranks entered the step (max - min aligned ``t0``);
-    ``latency`` the measured P2P hop latency (:func:`p2p_latency`) given to the simulator.
+    idle/compute ratios over the step window (see the module docstring); ``idle_fraction`` is
+    idle/span per rank. ``span``: the window, from the first rank entering the step to the last
+    action's end; ``tail``: what the step took after it (final send completion, loss
+    broadcast), outside the bubble. ``start_skew`` is how far apart the ranks entered the step
+    (max - min aligned ``t0``), ``start`` each rank's first action start in the window (given to
+    the simulator). ``latency``: the measured hop latency (:func:`p2p_latency`);
+    ``recv_overhead``: :func:`receive_overhead`.
     """
 
     span: float
@@ -198,10 +238,20 @@ class BubbleStats:
     start_skew: float
     latency: float
     expected: SimResult
+    recv_overhead: float = 0.0
+    start: tuple[float, ...] = ()
+    tail: float = 0.0
 
     @property
     def total_compute(self) -> float:
         return sum(self.compute)
+
+
+def _is_receive(schedule: Schedule, rank: int, action: Action) -> bool:
+    stage = schedule.stage(rank, action.chunk)
+    if action.op is Op.F:
+        return stage > 0
+    return stage < schedule.num_stages - 1
 
 
 def bubble_stats(
@@ -218,18 +268,44 @@ def bubble_stats(
     recs = [records[i] for i in order]
     offs = [offs[i] for i in order]
     t0s = [r.t0 - o for r, o in zip(recs, offs)]
-    t1s = [max(r.t1, r.events[-1].end if r.events else r.t0) - o for r, o in zip(recs, offs)]
-    span = max(t1s) - min(t0s)
+    base = min(t0s)
+    ends = [(r.events[-1].end if r.events else r.t0) - o for r, o in zip(recs, offs)]
+    span = max(ends) - base
+    tail = max(max(r.t1 - o for r, o in zip(recs, offs)), max(ends)) - max(ends)
+    first = [(r.events[0].start if r.events else r.t0) - o - base for r, o in zip(recs, offs)]
     compute = [sum(max(e.compute, 0.0) for e in r.events) for r in recs]
     comm_wait = [r.comm_wait for r in recs]
     idle = [max(span - c, 0.0) for c in compute]
     total = sum(compute)
     bubble = sum(idle) / total if total > 0 else 0.0
     latency = p2p_latency(recs, offs)
+    overhead = receive_overhead(recs, offs)
     costs = measured_costs(recs)
+    # A receiving action costs its compute plus the receive overhead; the hop latency counts
+    # from the send being posted, of which the overhead is the part every receive pays.
+    overrides = {
+        (r, c): (
+            tf + (overhead if _is_receive(schedule, r, Action(Op.F, 0, c)) else 0.0),
+            tb + (overhead if _is_receive(schedule, r, Action(Op.B, 0, c)) else 0.0),
+        )
+        for (r, c), (tf, tb) in costs.overrides.items()
+    }
     expected = simulate(
-        schedule, Costs(t_f=costs.t_f, t_b=costs.t_b, overrides=costs.overrides, latency=latency)
+        schedule,
+        Costs(
+            t_f=costs.t_f,
+            t_b=costs.t_b,
+            overrides=overrides,
+            latency=max(latency - overhead, 0.0),
+        ),
+        start=first,
     )
+    # The receive overhead is time blocked on a receive, idle as in the measurement.
+    receives = [
+        sum(1 for a in schedule.ranks[r] if _is_receive(schedule, r, a)) for r in range(len(recs))
+    ]
+    busy = [b - overhead * n for b, n in zip(expected.busy, receives)]
+    expected_idle = sum(expected.makespan - b for b in busy)
     return BubbleStats(
         span=span,
         compute=compute,
@@ -237,11 +313,14 @@ def bubble_stats(
         idle=idle,
         idle_fraction=[i / span if span > 0 else 0.0 for i in idle],
         bubble=bubble,
-        expected_bubble=expected.bubble_ratio,
+        expected_bubble=expected_idle / sum(busy) if sum(busy) > 0 else 0.0,
         expected_makespan=expected.makespan,
         start_skew=max(t0s) - min(t0s),
         latency=latency,
         expected=expected,
+        recv_overhead=overhead,
+        start=tuple(first),
+        tail=tail,
     )
 
 

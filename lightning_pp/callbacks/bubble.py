@@ -19,7 +19,8 @@ class PipelineBubbleMonitor(PipelineCallback):
 
     Logged keys (seconds, ratios; pipeline values averaged over data-parallel replicas):
     ``pp/bubble_fraction``, ``pp/bubble_expected``, ``pp/step_time_s``,
-    ``pp/step_time_expected_s``, ``pp/comm_wait_s`` (mean per rank), ``pp/start_skew_s``, and per
+    ``pp/step_time_expected_s``, ``pp/comm_wait_s`` (mean per rank), ``pp/start_skew_s``,
+    ``pp/step_tail_s``, ``pp/p2p_latency_s``, ``pp/recv_overhead_s``, and per
     global rank ``pp/rank{r}/compute_s``, ``pp/rank{r}/comm_wait_s``, ``pp/rank{r}/idle_fraction``.
 
     Args:
@@ -66,6 +67,9 @@ class PipelineBubbleMonitor(PipelineCallback):
             "pp/step_time_expected_s": sum(s.expected_makespan for s in stats) / n,
             "pp/comm_wait_s": sum(sum(s.comm_wait) / len(s.comm_wait) for s in stats) / n,
             "pp/start_skew_s": sum(s.start_skew for s in stats) / n,
+            "pp/step_tail_s": sum(s.tail for s in stats) / n,
+            "pp/p2p_latency_s": sum(s.latency for s in stats) / n,
+            "pp/recv_overhead_s": sum(s.recv_overhead for s in stats) / n,
         }
         if self.per_rank:
             for line, s in zip(split_pipelines(step.records, pp), stats):

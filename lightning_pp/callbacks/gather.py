@@ -22,7 +22,14 @@ import torch.distributed as dist
 from ..records import StepEvent, StepRecord
 from ..schedules import Action, Op, Schedule
 
-__all__ = ["GatheredStep", "gather_cached", "gather_records", "register_extra", "unregister_extra"]
+__all__ = [
+    "GatheredStep",
+    "gather_cached",
+    "gather_records",
+    "register_extra",
+    "shared_clock_offsets",
+    "unregister_extra",
+]
 
 
 @dataclass
@@ -49,6 +56,8 @@ def _pack(record: StepRecord) -> tuple:
             e.saved_bytes,
             e.send_bytes,
             e.inflight,
+            e.compute_end,
+            e.send_time,
         )
         for e in record.events
     ]
@@ -76,8 +85,8 @@ def _unpack(packed: tuple, schedule: Schedule) -> StepRecord:
         peak_saved_bytes=saved,
         peak_inflight=inflight,
         events=[
-            StepEvent(Action(Op(op), mb, chunk), start, end, wait, st, sv, sd, inf)
-            for op, mb, chunk, start, end, wait, st, sv, sd, inf in events
+            StepEvent(Action(Op(op), mb, chunk), start, end, wait, st, sv, sd, inf, ce, sent)
+            for op, mb, chunk, start, end, wait, st, sv, sd, inf, ce, sent in events
         ],
     )
 
@@ -100,12 +109,45 @@ def gather_records(
         dist.barrier(group=group)
     ref = time.perf_counter()
     out: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, (_pack(record), ref, dict(extra or {})), group=group)
+    dist.all_gather_object(out, (_pack(record), ref, dict(extra or {}), _clock_id()), group=group)
     return GatheredStep(
-        records=[_unpack(p, record.schedule) for p, _, _ in out],
-        offsets=[o for _, o, _ in out],
-        extras=[x for _, _, x in out],
+        records=[_unpack(p, record.schedule) for p, _, _, _ in out],
+        offsets=shared_clock_offsets([o for _, o, _, _ in out], [c for _, _, _, c in out]),
+        extras=[x for _, _, x, _ in out],
     )
+
+
+def _clock_id() -> str | None:
+    """Identifies this process's ``perf_counter`` clock: on Linux it is ``CLOCK_MONOTONIC``,
+    one clock per booted kernel (shared by containers on it), named by the kernel's boot id."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return "linux:" + f.read().strip()
+    except OSError:
+        return None
+
+
+def shared_clock_offsets(refs: list[float], clocks: list[str | None]) -> list[float]:
+    """Clock offsets from the barrier references, exact between ranks that share a clock.
+
+    The barrier's release reaches the ranks at slightly different instants (about a millisecond
+    under load: each process must be scheduled to wake up), which would shift their records
+    against each other by as much, while the ranks of one host read the same clock anyway. Ranks
+    with the same clock id therefore all use the reference of the first of them; only different
+    clocks (other hosts) are aligned through the barrier.
+
+    Example:
+        >>> shared_clock_offsets([10.0, 10.002, 55.0], ["a", "a", "b"])
+        [10.0, 10.0, 55.0]
+    """
+    first: dict[str, float] = {}
+    out = []
+    for ref, clock in zip(refs, clocks):
+        if clock is None:
+            out.append(ref)
+        else:
+            out.append(first.setdefault(clock, ref))
+    return out
 
 
 # One entry: the record it was gathered for, and the result. Every callback that needs the

@@ -7,7 +7,7 @@ exactly where a real pipeline would stall.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from .actions import Action, Op, Schedule
@@ -97,8 +97,13 @@ def peak_inflight(schedule: Schedule) -> list[int]:
     return peaks
 
 
-def simulate(schedule: Schedule, costs: Costs | None = None) -> SimResult:
+def simulate(
+    schedule: Schedule, costs: Costs | None = None, start: Sequence[float] | None = None
+) -> SimResult:
     """Time ``schedule`` under ``costs`` (default :class:`Costs`: t_f=1, t_b=2, no latency).
+
+    ``start[r]``: when rank r may begin (default 0 for all); times, ``makespan`` and ``idle``
+    count from 0, so a late start is idle time of that rank.
 
     Raises :class:`~lightning_pp.schedules.validate.ScheduleError` if it is malformed or would
     deadlock.
@@ -111,7 +116,7 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> SimResult:
     """
     costs = costs or Costs()
     timeline = execute(
-        schedule, lambda rank, action: costs.duration(schedule, rank, action), costs.latency
+        schedule, lambda rank, action: costs.duration(schedule, rank, action), costs.latency, start
     )
     makespan = max((steps[-1][2] for steps in timeline if steps), default=0.0)
     busy = [sum(end - start for _, start, end in steps) for steps in timeline]

@@ -16,7 +16,7 @@ here with the grid printed and the stuck step of every rank marked.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from .actions import Action, Op, Schedule
 
@@ -155,8 +155,12 @@ def execute(
     schedule: Schedule,
     duration: Callable[[int, Action], float],
     latency: float = 0.0,
+    start: Sequence[float] | None = None,
 ) -> Timeline:
     """Dry-run ``schedule``: when does each step start and end? Raises on deadlock.
+
+    ``start[r]``: when rank r becomes free for its first step (default 0 for every rank; a
+    measured step's ranks enter it at slightly different times).
 
     Each step starts at ``max(rank free, each dependency's end + latency)``; ``latency`` is
     charged only when the dependency ran on another rank (a real send/receive). Because a step's
@@ -167,7 +171,9 @@ def execute(
     pp = schedule.pp
     end_of: dict[tuple[int, Action], float] = {}
     pos = [0] * pp
-    free = [0.0] * pp
+    free = [float(t) for t in start] if start is not None else [0.0] * pp
+    if len(free) != pp:
+        raise ValueError(f"start has {len(free)} entries for pp={pp} ranks")
     timeline: Timeline = [[] for _ in range(pp)]
     remaining = sum(len(a) for a in schedule.ranks)
     while remaining:
