@@ -107,6 +107,17 @@ def _tensor_bytes(tensors) -> int:
     return total
 
 
+def _storages(batch: Any) -> set[int]:
+    """Data pointers of every tensor storage in a (nested) batch."""
+    if isinstance(batch, torch.Tensor):
+        return {batch.untyped_storage().data_ptr()}
+    if isinstance(batch, dict):
+        batch = list(batch.values())
+    if isinstance(batch, (tuple, list)):
+        return set().union(*(_storages(b) for b in batch)) if batch else set()
+    return set()
+
+
 def _format_grid(schedule: Schedule, rank: int, index: int) -> str:
     return _format_grid_marks(schedule, {rank: index})
 
@@ -229,6 +240,7 @@ class PipelineEngine:
             static_shapes=static_shapes,
             monitor=self.monitor,
         )
+        self._batch_storages: set[int] = set()  # the current step's input batch
         self._param_storages = {
             p.untyped_storage().data_ptr() for c in self.chunks for p in c.parameters()
         }
@@ -293,6 +305,7 @@ class PipelineEngine:
         actions = schedule.ranks[self.topology.pp_rank]
         self._mbs = split_microbatches(batch, schedule.microbatches)
         self._batch_size = batch_size_of(batch)
+        self._batch_storages = _storages(batch) if self.measure_memory else set()
         self._stash: list[deque[_Entry]] = [deque() for _ in self.chunks]
         self._loss = torch.zeros((), dtype=torch.float32, device=self.device)
         self._outputs: dict[int, Any] = {}
@@ -369,6 +382,7 @@ class PipelineEngine:
             ) from e
         finally:
             self._mbs = []
+            self._batch_storages = set()
         leftover = sum(len(q) for q in self._stash)
         if leftover:
             raise PipelineStepError(
@@ -489,13 +503,18 @@ class PipelineEngine:
             self._stash[c].append(entry)
         return [Message(ACT, self._rank_of(s + 1), s + 1, mb, outs, is_tuple)]
 
-    def _pack(self, saved: dict[int, int]):
-        params = self._param_storages
+    def _pack(self, saved: dict[Any, int]):
+        params, batch = self._param_storages, self._batch_storages
 
         def pack(t: torch.Tensor) -> torch.Tensor:
             st = t.untyped_storage()
             ptr = st.data_ptr()
-            if ptr not in params:
+            if ptr in batch:
+                # A view of the step's input batch (a tensor_split microbatch): the batch is
+                # held by the caller anyway; backward keeps alive only what this view covers.
+                key = (ptr, t.storage_offset(), tuple(t.shape), t.stride())
+                saved[key] = t.numel() * t.element_size()
+            elif ptr not in params:
                 saved[ptr] = st.nbytes()
             # A detached alias, not ``t`` itself: autograd stores what pack returns, and output
             # release later swaps the storage of the very tensor object it was given.
