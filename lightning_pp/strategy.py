@@ -64,9 +64,17 @@ from .checkpoint import (
 )
 from .failure import DEFAULT_WATCHDOG_TIMEOUT, PipelineAborted, report_failure
 from .grad_sync import DeferredGradSync, TiedGroup, TiedParameterSync, global_grad_norm
+from .microbatch import batch_size_of
 from .model import PipelineLayers, _split_name, select_layers
-from .partition import PipelineChunk, local_layer_indices, partition_layers
-from .preflight import check_module, check_schedule_args
+from .partition import PipelineChunk, local_layer_indices
+from .preflight import (
+    PreflightError,
+    check_batch,
+    check_layers,
+    check_module,
+    check_schedule_args,
+    check_world,
+)
 from .schedules import build_schedule
 from .topology import PipelineTopology, ProcessGroups, build_process_groups
 
@@ -247,12 +255,14 @@ class PipelineStrategy(ParallelStrategy):
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
         world = self.world_size
-        if self._pp is not None and world >= 1 and self.num_processes > 0 and world % self._pp:
-            raise ValueError(
-                f"PipelineStrategy(pp={self._pp}) does not divide the world size {world} "
-                f"(num_nodes={self.num_nodes} x devices={self.num_processes}); dp = world / pp "
-                f"must be a whole number"
-            )
+        if self._pp is not None and world >= 1 and self.num_processes > 0:
+            try:
+                check_world(world, self._pp)
+            except PreflightError as e:
+                raise PreflightError(
+                    f"PipelineStrategy(pp={self._pp}) does not divide the world size {world} "
+                    f"(num_nodes={self.num_nodes} x devices={self.num_processes}): {e}"
+                ) from None
         if self.num_processes > 0:
             self._check_schedule(self.pp)
 
@@ -303,7 +313,8 @@ class PipelineStrategy(ParallelStrategy):
                 raise ValueError(
                     "partition='cost' needs the module to implement pipeline_layer_costs()"
                 )
-        self.layer_ranges = partition_layers(
+        # preflight: errors name the numbers and show the split that would result
+        self.layer_ranges = check_layers(
             layers.num_layers,
             self.pp,
             self.vpp,
@@ -461,6 +472,7 @@ class PipelineStrategy(ParallelStrategy):
         trainer = self.lightning_module.trainer
         batch = args[0] if args else kwargs["batch"]
         batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
+        self._check_batch(batch)
         accumulate = trainer.accumulate_grad_batches
         if batch_idx % accumulate == 0:
             self._zero_grad(trainer, batch_idx)
@@ -484,6 +496,20 @@ class PipelineStrategy(ParallelStrategy):
         self.precision_plugin.post_backward(loss, module)
         module.pipeline_log_train_loss(loss)
         return loss
+
+    def _check_batch(self, batch: Any) -> None:
+        """Preflight on every batch, before any communication of the step: each rank of a
+        pipeline sees the same batch, so a batch too small for the microbatches raises the same
+        :class:`PreflightError` on all of them instead of one rank failing and the rest waiting
+        (a short last batch of an epoch is caught too; the check is one size comparison)."""
+        try:
+            size = batch_size_of(batch)
+        except ValueError:
+            return  # no batch dimension to split: the engine reports it with the action
+        try:
+            check_batch(size, self.microbatches, self.dp)
+        except PreflightError as e:
+            raise PreflightError(f"rank {self.global_rank}: {e}") from None
 
     def _zero_grad(self, trainer: pl.Trainer, batch_idx: int) -> None:
         for optimizer in self.optimizers[:1]:  # automatic optimization steps optimizer 0
@@ -534,6 +560,7 @@ class PipelineStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ evaluation
     def _eval(self, batch: Any, stage: str, context: Any) -> dict[str, Tensor]:
         assert self.topology is not None and self.groups is not None
+        self._check_batch(batch)
         with context():
             result = self.engine.eval_step(batch, collect_outputs=True)
         self.last_record = result.record

@@ -247,3 +247,105 @@ def test_two_nodes_on_loopback_match_single_node(tmp_path, four_proc, references
         assert a["train_loss"] == b["train_loss"]  # same ranks, same math: bitwise
         assert a["val"] == b["val"]
     _check_against_reference(ranks, references[TWO_NODES[0]["accumulate"]])
+
+
+# ---- preflight through the strategy (cheap: no launched job except the batch check) ---------
+
+
+def test_world_check_is_preflight_with_divisors():
+    import lightning as L
+
+    from lightning_pp.preflight import PreflightError
+    from lightning_pp.strategy import PipelineStrategy
+
+    with pytest.raises(PreflightError) as err:
+        L.Trainer(accelerator="cpu", devices=3, strategy=PipelineStrategy(pp=2), logger=False)
+    msg = str(err.value)
+    assert "does not divide the world size 3 (num_nodes=1 x devices=3)" in msg
+    assert "use pp in [1, 3]" in msg
+    with pytest.raises(PreflightError, match="pp=4 pipeline stages need at least 4 processes"):
+        L.Trainer(accelerator="cpu", devices=2, strategy=PipelineStrategy(pp=4), logger=False)
+
+
+def test_layer_split_check_is_preflight_and_shows_the_split():
+    from types import SimpleNamespace
+
+    from lightning_pp.preflight import PreflightError
+    from lightning_pp.strategy import PipelineStrategy
+    from lightning_pp.topology import PipelineTopology
+
+    strategy = PipelineStrategy(pp=2, vpp=2, microbatches=4)
+    strategy.topology = PipelineTopology.from_world(2, 0, pp=2)  # as after setup_environment
+    with pytest.raises(PreflightError) as err:
+        strategy._select_layers(SimpleNamespace(num_layers=3))
+    msg = str(err.value)
+    assert "num_layers=3" in msg and "pp(2) * vpp(2) = 4" in msg and "s3=" in msg
+    assert strategy._select_layers(SimpleNamespace(num_layers=4)) == [0, 2]
+
+
+SMALL_BATCH_SCRIPT = """
+import sys
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+from lightning_pp import PipelineLayers, PipelineMixin, PipelineStrategy
+
+class Net(PipelineMixin, L.LightningModule):
+    def configure_model(self):
+        if getattr(self, "layers", None) is None:
+            self.layers = PipelineLayers([lambda: torch.nn.Linear(4, 4) for _ in range(2)])
+    def pipeline_input(self, batch):
+        return batch[0]
+    def pipeline_loss(self, output, batch):
+        return F.mse_loss(output, batch[1])
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+torch.set_num_threads(1)
+data = TensorDataset(torch.randn(8, 4), torch.randn(8, 4))
+trainer = L.Trainer(accelerator="cpu", devices=2, max_steps=1, logger=False,
+                    strategy=PipelineStrategy(pp=2, microbatches=4, watchdog_timeout=30.0),
+                    use_distributed_sampler=False, enable_progress_bar=False,
+                    enable_model_summary=False, enable_checkpointing=False)
+try:
+    trainer.fit(Net(), DataLoader(data, batch_size=2))
+except Exception as e:
+    print(f"RANK {trainer.global_rank} ENDED WITH {type(e).__name__}: {e}", flush=True)
+    sys.exit(3)
+print(f"RANK {trainer.global_rank} TRAINED", flush=True)
+"""
+
+
+def test_batch_smaller_than_microbatches_fails_on_every_rank_without_hanging(tmp_path):
+    script = tmp_path / "small_batch.py"
+    script.write_text(SMALL_BATCH_SCRIPT)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen(
+        [sys.executable, str(script)],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"the job hung on a batch smaller than microbatches:\n{out[-4000:]}")
+    finally:
+        try:  # Lightning's per-rank child shares the session: leave none behind
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert proc.returncode != 0, out[-4000:]
+    for rank in range(2):
+        want = (
+            f"RANK {rank} ENDED WITH PreflightError: rank {rank}: batch size 2 per replica is "
+            f"smaller than microbatches=4"
+        )
+        assert want in out, out[-4000:]
+    assert "TRAINED" not in out
