@@ -178,7 +178,9 @@ def run(
             if not (s == "interleaved" and m < pp)  # Megatron (and we) need m >= pp there
         )
         spec = RunSpec(workload, pp, configs, tuple(impls), rounds, steps, warmup)
+        load_before = machine_info()["loadavg"]
         per_rank = launch(_worker, pp, spec, device=device, timeout=timeout)
+        load_after = machine_info()["loadavg"]
         # Rank 0's list holds the gathered per-rank data; take losses from the last rank.
         for rec0, rec_last in zip(per_rank[0], per_rank[-1]):
             rec0["losses"] = rec_last["losses"]
@@ -186,6 +188,7 @@ def run(
             rec0["workload_desc"] = workload.flops_note()
             rec0["t_f"], rec0["t_b"] = workload.t_f, workload.t_b
             rec0["seq"] = workload.seq
+            rec0["loadavg_pp"] = [load_before, load_after]  # around this pp's process group
             records.append(rec0)
     return records
 

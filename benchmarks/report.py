@@ -359,6 +359,16 @@ def render(recs: list[dict], extra_md: str = "") -> tuple[str, dict]:
             f"{r0.get('loadavg_end')}; device {r0.get('device')}; "
             f"{r0 and len(r0['step_s'])} measured steps per row\n"
         )
+        per_pp = {}
+        for r in wrecs:
+            if "loadavg_pp" in r:
+                per_pp[r["pp"]] = r["loadavg_pp"]
+        if per_pp:
+            parts.append(
+                "- load average (1/5/15 min) before -> after each pipeline size: "
+                + "; ".join(f"p={k}: {v[0]} -> {v[1]}" for k, v in sorted(per_pp.items()))
+                + "\n"
+            )
         parts.append(markdown_table(rows, wl))
     parts.append("## Targets\n")
     parts.append("| target | verdict | evidence |\n|---|---|---|")

@@ -1,7 +1,7 @@
 """Reproduce every benchmark: both workloads, the full sweep, the strategy overhead, the report.
 
 Usage:
-    python benchmarks/run_all.py --out benchmarks/results            # full (~20 min on 2 cores)
+    python benchmarks/run_all.py --out benchmarks/results            # full (~15 min on 2 cores)
     python benchmarks/run_all.py --out /tmp/bench --quick             # a few minutes
     python benchmarks/run_all.py --out benchmarks/results --device cuda   # NCCL, one GPU per rank
 

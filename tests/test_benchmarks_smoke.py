@@ -92,4 +92,4 @@ def test_strategy_overhead_script(tmp_path):
         ["--quick", "--rounds", "1", "--steps", "2", "--warmup", "1", "--out", str(out)]
     )
     md = out.read_text()
-    assert "| **median** |" in md and "Target 5" in md
+    assert "| **median over runs** |" in md and "Target 5" in md
