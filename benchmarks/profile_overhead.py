@@ -85,6 +85,51 @@ def _worker(rank, world, device, args):
     return out
 
 
+def _pingpong(rank, world, device, n):
+    """Median one-way latency of a 512-byte boundary tensor over the backend (rank 0 <-> 1)."""
+    import torch.distributed as dist
+
+    buf = torch.zeros(128, device=device)
+    times = []
+    for _ in range(n):
+        dist.barrier()
+        t0 = time.perf_counter()
+        if rank == 0:
+            dist.batch_isend_irecv([dist.P2POp(dist.isend, buf, 1)])[0].wait()
+            dist.batch_isend_irecv([dist.P2POp(dist.irecv, buf, 1)])[0].wait()
+        elif rank == 1:
+            dist.batch_isend_irecv([dist.P2POp(dist.irecv, buf, 0)])[0].wait()
+            dist.batch_isend_irecv([dist.P2POp(dist.isend, buf, 0)])[0].wait()
+        times.append((time.perf_counter() - t0) / 2)
+    return statistics.median(times)
+
+
+def device_overshoot(reps: int = 30) -> dict[str, float]:
+    """Median time one sleep chunk takes beyond its nominal cost, in ONE process, no pipeline.
+
+    Separates the virtual device's own imprecision (sleep wake-up on a loaded machine) from any
+    pipeline runtime cost: whatever shows up here shows up in every action of every runtime.
+    """
+    from lightning_pp.models.virtual_device import SleepLayer
+
+    out = {}
+    for layers in (1, 2):
+        chunk = torch.nn.Sequential(*[SleepLayer(32, 0.010, 0.020) for _ in range(layers)])
+        fo, bo = [], []
+        for _ in range(reps):
+            x = torch.zeros(4, 32, requires_grad=True)
+            t0 = time.perf_counter()
+            y = chunk(x)
+            t1 = time.perf_counter()
+            y.backward(torch.ones_like(y))
+            t2 = time.perf_counter()
+            fo.append(t1 - t0 - layers * 0.010)
+            bo.append(t2 - t1 - layers * 0.020)
+        out[f"{layers}-layer F"] = statistics.median(fo)
+        out[f"{layers}-layer B"] = statistics.median(bo)
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--pp", type=int, default=4)
@@ -94,8 +139,20 @@ def main(argv=None):
     ap.add_argument("--profile-rank", type=int, default=0)
     ap.add_argument("--t-f", type=float, default=0.0, help="sleep per rank share, forward (s)")
     ap.add_argument("--t-b", type=float, default=0.0, help="sleep per rank share, backward (s)")
+    ap.add_argument("--device-overshoot", action="store_true", help="only time a lone sleep chunk")
+    ap.add_argument("--pingpong", action="store_true", help="only measure P2P latency (2 ranks)")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
+    if a.device_overshoot:
+        load = os.getloadavg()[0]
+        for k, v in device_overshoot().items():
+            print(f"{k} (10 ms F / 20 ms B per layer): {v * 1e3:.3f} ms beyond nominal")
+        print(f"load average at start: {load:.2f}")
+        return
+    if a.pingpong:
+        lat = launch(_pingpong, 2, 300, timeout=300)[0]
+        print(f"median one-way latency of a 512-byte tensor, rank 0 <-> 1: {lat * 1e3:.3f} ms")
+        return
     res = launch(
         _worker,
         a.pp,
