@@ -270,12 +270,22 @@ class FailureMonitor:
 
     # -- waiting ----------------------------------------------------------------------------
     def wait(
-        self, works: Sequence[Any], what: str | Callable[[], str], peer: int | None = None
+        self,
+        works: Sequence[Any],
+        what: str | Callable[[], str],
+        peer: int | None = None,
+        *,
+        min_timeout: float = 0.0,
     ) -> None:
         """Wait for ``works``; raise :class:`PipelineAborted` or :class:`PipelineHang` instead of
-        blocking forever. ``what`` describes the wait for messages (a string or a callable)."""
+        blocking forever. ``what`` describes the wait for messages (a string or a callable).
+        ``min_timeout`` raises the watchdog limit for this wait only (set-up rendezvous, where
+        ranks legitimately arrive seconds apart)."""
         if not works:
             return
+        limit = self.watchdog_timeout
+        if limit is not None:
+            limit = max(limit, min_timeout)
         if self._broken:
             # An earlier wait was abandoned; its works still occupy the helper thread.
             self.raise_if_aborted(_text(what))
@@ -310,7 +320,7 @@ class FailureMonitor:
                 if origin is not None:
                     self._broken = not self.poll_works
                     raise self._aborted_error(origin, _text(what))
-                if self.watchdog_timeout is not None and now - t0 > self.watchdog_timeout:
+                if limit is not None and now - t0 > limit:
                     self._broken = not self.poll_works
                     raise self._hang_error(_text(what), now - t0, peer)
                 next_check = now + self.poll_interval

@@ -68,6 +68,9 @@ __all__ = [
 ACT, GRAD = 0, 1
 _KIND = {ACT: "activation", GRAD: "gradient"}
 _MAGIC = 0x5050  # first header word: catches a data message read as a header
+# Seconds the set-up rendezvous may wait before the watchdog calls it a hang (at least; a larger
+# watchdog_timeout wins).
+SETUP_RENDEZVOUS_TIMEOUT = 120.0
 _DTYPES = [
     torch.float32,
     torch.float16,
@@ -224,9 +227,17 @@ class P2PCommunicator:
             # collective first makes communicator creation collective and deterministic.
             probe = torch.zeros(1, device=self.device)
             work = dist.all_reduce(probe, group=group, async_op=True)
-            self._wait([work], "waiting for the other pipeline ranks to build their engine")
+            # Ranks reach this point seconds apart (model building, data loading, a previous
+            # job's teardown): a short step watchdog must not fire here, only a real hang.
+            self._wait(
+                [work],
+                "waiting for the other pipeline ranks to build their engine",
+                min_timeout=SETUP_RENDEZVOUS_TIMEOUT,
+            )
 
-    def _wait(self, works: Sequence[Any], what: Any, header: bool = False) -> None:
+    def _wait(
+        self, works: Sequence[Any], what: Any, header: bool = False, min_timeout: float = 0.0
+    ) -> None:
         """Block on ``works`` through the monitor (abortable, watched) when there is one."""
         if not works:
             return
@@ -238,7 +249,7 @@ class P2PCommunicator:
             pending, peer = what, what.request.peer
             self.monitor.wait(works, lambda: pending.describe(header), peer=peer)
         else:
-            self.monitor.wait(works, what)
+            self.monitor.wait(works, what, min_timeout=min_timeout)
 
     # -- tags and headers ------------------------------------------------------------------
     @staticmethod
