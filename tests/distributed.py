@@ -93,13 +93,16 @@ def _worker(
             timeout=timedelta(seconds=pg_timeout),
         )
         try:
-            value = fn(rank, world_size, *args)
-        finally:
-            try:
-                dist.destroy_process_group()
-            except Exception:
-                pass
-        results.put((rank, True, value))
+            value, ok = fn(rank, world_size, *args), True
+        except BaseException:
+            value, ok = traceback.format_exc(), False
+        # Report before tearing down: destroying a group whose waits were abandoned after an
+        # abort can block, and a rank that never reports looks like a hang, hiding its error.
+        results.put((rank, ok, value))
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            pass
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
 

@@ -206,16 +206,18 @@ def _run_case(rank, world_size, case, spec):
         _insert(chunks[0], 1, Poison(at=2))  # after layer 2 of rank 1 (layers 2-4), mb=1
     if kind == "nan_backward" and rank == 2:
         _insert(chunks[0], 1, NaNBackward())
-    engine = PipelineEngine(
-        chunks,
-        schedule,
-        topo,
-        groups,
-        loss_fn=mse_loss("mean"),
-        failure_monitor=monitor,
-        check_finite=kind.startswith("nan"),
-    )
     try:
+        # Inside the try: a fast rank can fail its first step while a slow one is still in the
+        # engine's set-up rendezvous, which then (correctly) raises PipelineAborted there.
+        engine = PipelineEngine(
+            chunks,
+            schedule,
+            topo,
+            groups,
+            loss_fn=mse_loss("mean"),
+            failure_monitor=monitor,
+            check_finite=kind.startswith("nan"),
+        )
         for step in range(2):
             engine.train_step(mlp_batch(step, 8))
             if kind == "callback" and rank == spec["rank"]:
