@@ -38,6 +38,7 @@ FOUR = [
 ]
 TWO = [
     {"name": "pp2", "pp": 2, "microbatches": 4, "accumulate": 1},
+    {"name": "pp2_vpp2", "pp": 2, "vpp": 2, "microbatches": 4, "accumulate": 1},
     {"name": "pp2_bf16", "pp": 2, "microbatches": 2, "accumulate": 1, "precision": "bf16-mixed"},
 ]
 TWO_NODES = [FOUR[3]]
@@ -165,8 +166,9 @@ def test_four_processes_match_single_process(four_proc, references, cfg):
     _check_against_reference(ranks, references[cfg["accumulate"]])
 
 
-def test_lightning_launcher_matches_single_process(two_proc, references):
-    _check_against_reference(two_proc["pp2"], references[1])
+@pytest.mark.parametrize("name", ["pp2", "pp2_vpp2"])
+def test_lightning_launcher_matches_single_process(two_proc, references, name):
+    _check_against_reference(two_proc[name], references[1])
 
 
 def test_bf16_mixed_trains_close_to_fp32(two_proc, references):
