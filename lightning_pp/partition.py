@@ -18,6 +18,8 @@ from typing import Any
 
 from torch import nn
 
+from .schedules import check_positive
+
 __all__ = [
     "PipelineChunk",
     "format_split",
@@ -115,9 +117,7 @@ def partition_layers(
         ValueError: fewer layers than stages, counts that do not sum to ``num_layers``,
             a missing or wrongly sized weight list, ... with the numbers and the split.
     """
-    for name, value in (("num_layers", num_layers), ("pp", pp), ("vpp", vpp)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    check_positive(num_layers=num_layers, pp=pp, vpp=vpp)
     k = pp * vpp
     if not isinstance(method, str):
         counts = [int(c) for c in method]

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .partition import format_split, partition_layers
-from .schedules import Schedule, build_schedule, check_schedule_name, simulate
+from .schedules import Schedule, build_schedule, check_positive, check_schedule_name, simulate
 
 __all__ = [
     "PipelinePlan",
@@ -56,9 +56,7 @@ def _divisors(n: int) -> list[int]:
 
 
 def _positive(**values: Any) -> None:
-    for name, value in values.items():
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise PreflightError(f"{name} must be a positive integer, got {value!r}")
+    check_positive(PreflightError, **values)
 
 
 def check_world(world_size: int, pp: int, dp: int | None = None) -> int:

@@ -75,7 +75,7 @@ from .preflight import (
     check_schedule_args,
     check_world,
 )
-from .schedules import build_schedule
+from .schedules import build_schedule, check_positive
 from .topology import PipelineTopology, ProcessGroups, build_process_groups
 
 __all__ = ["PipelineStrategy"]
@@ -163,9 +163,8 @@ class PipelineStrategy(ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        for name, value in (("pp", pp), ("vpp", vpp), ("microbatches", microbatches)):
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        sizes = {"pp": pp, "vpp": vpp, "microbatches": microbatches}
+        check_positive(**{name: value for name, value in sizes.items() if value is not None})
         self._pp = pp
         self.vpp = vpp
         self._microbatches = microbatches

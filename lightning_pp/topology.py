@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+from .schedules import check_positive
+
 __all__ = ["PipelineTopology", "ProcessGroups", "build_process_groups"]
 
 
@@ -38,10 +40,7 @@ class PipelineTopology:
     rank: int
 
     def __post_init__(self) -> None:
-        for name in ("world_size", "pp", "dp"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        check_positive(world_size=self.world_size, pp=self.pp, dp=self.dp)
         if self.pp * self.dp != self.world_size:
             raise ValueError(
                 f"pp({self.pp}) * dp({self.dp}) != world_size({self.world_size}): "
@@ -56,8 +55,7 @@ class PipelineTopology:
     ) -> PipelineTopology:
         """Build the topology, inferring ``dp = world_size // pp`` when not given."""
         if dp is None:
-            if not isinstance(pp, int) or pp < 1:
-                raise ValueError(f"pp must be a positive integer, got {pp!r}")
+            check_positive(pp=pp)
             if world_size % pp != 0:
                 raise ValueError(
                     f"world_size({world_size}) is not divisible by pp({pp}): cannot infer dp "

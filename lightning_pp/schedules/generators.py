@@ -12,10 +12,15 @@ from collections.abc import Callable
 from .actions import Action, Op, Schedule
 
 
-def _check_positive(**values: int) -> None:
+def check_positive(error: type[Exception] = ValueError, **values: object) -> None:
+    """Raise ``error`` naming the first of ``values`` that is not a positive int (bools too).
+
+    The one place for this check: schedules, partition, topology, preflight and the strategy
+    all report it in the same words.
+    """
     for name, value in values.items():
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            raise error(f"{name} must be a positive integer, got {value!r}")
 
 
 def gpipe(pp: int, microbatches: int, vpp: int = 1) -> Schedule:
@@ -25,7 +30,7 @@ def gpipe(pp: int, microbatches: int, vpp: int = 1) -> Schedule:
     and backwards in reverse chunk order: the looped-BFS variant of GPipe. Megatron-core has no
     GPipe; this is the reference schedule (every rank holds all ``m * vpp`` activations).
     """
-    _check_positive(pp=pp, vpp=vpp, microbatches=microbatches)
+    check_positive(pp=pp, vpp=vpp, microbatches=microbatches)
     m = microbatches
     ranks = []
     for _ in range(pp):
@@ -47,7 +52,7 @@ def one_f_one_b(pp: int, microbatches: int, vpp: int = 1) -> Schedule:
     backward, which caps its in-flight microbatches at ``pp - r`` whatever ``m`` is; the
     remaining backwards drain in the cooldown.
     """
-    _check_positive(pp=pp, vpp=vpp, microbatches=microbatches)
+    check_positive(pp=pp, vpp=vpp, microbatches=microbatches)
     if vpp != 1:
         raise ValueError(
             f"schedule '1f1b' runs one chunk per rank but vpp={vpp}; "
@@ -107,10 +112,10 @@ def check_interleaved(pp: int, microbatches: int, vpp: int, group_size: int | No
     * the last group, ``m % N``, must be 0 or at least ``pp``: a shorter group leaves dependency
       bubbles (Megatron raises there too).
     """
-    _check_positive(pp=pp, vpp=vpp, microbatches=microbatches)
+    check_positive(pp=pp, vpp=vpp, microbatches=microbatches)
     m = microbatches
     n = pp if group_size is None else group_size
-    _check_positive(group_size=n)
+    check_positive(group_size=n)
     shape = f"(pp={pp}, vpp={vpp}, microbatches={m}, N={n})"
     if vpp < 2:
         raise ValueError(
