@@ -28,8 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import lightning as L  # noqa: E402
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
-from pp_common import GLOBAL_BATCH, MODEL_KW, Progressions, Recorder, dump  # noqa: E402
-from torch.utils.data import DataLoader, DistributedSampler  # noqa: E402
+from pp_common import GLOBAL_BATCH, MODEL_KW, Data, Recorder, dump  # noqa: E402
 
 import lightning_pp.checkpoint as ckpt_mod  # noqa: E402
 from lightning_pp import PipelineStrategy  # noqa: E402
@@ -38,27 +37,11 @@ from lightning_pp.models import GPT  # noqa: E402
 EPOCH_BATCHES = 5  # checkpoints at step 5 fall on an epoch boundary: plain loaders resume exactly
 
 
-class EpochData(L.LightningDataModule):
+class EpochData(Data):
     """Same global batches for any dp; 5 batches per epoch, no shuffling."""
 
     def __init__(self, dp: int) -> None:
-        super().__init__()
-        self.dp = dp
-        self.train = Progressions(GLOBAL_BATCH * EPOCH_BATCHES, seed=1)
-        self.val = Progressions(GLOBAL_BATCH * 2, seed=2)
-
-    def _loader(self, ds: Any) -> DataLoader:
-        if self.dp == 1:
-            return DataLoader(ds, batch_size=GLOBAL_BATCH, shuffle=False)
-        kw = self.trainer.strategy.distributed_sampler_kwargs
-        sampler = DistributedSampler(ds, shuffle=False, **kw)
-        return DataLoader(ds, batch_size=GLOBAL_BATCH // self.dp, sampler=sampler)
-
-    def train_dataloader(self) -> DataLoader:
-        return self._loader(self.train)
-
-    def val_dataloader(self) -> DataLoader:
-        return self._loader(self.val)
+        super().__init__(dp, accumulate=1, train_samples=GLOBAL_BATCH * EPOCH_BATCHES)
 
 
 class LRProbe(Callback):

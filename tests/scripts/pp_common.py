@@ -55,10 +55,10 @@ class Progressions(Dataset):
 class Data(L.LightningDataModule):
     """Same global batches for any dp: replica r of dp takes samples r, r+dp, ... of each batch."""
 
-    def __init__(self, dp: int, accumulate: int) -> None:
+    def __init__(self, dp: int, accumulate: int, train_samples: int | None = None) -> None:
         super().__init__()
         self.dp = dp
-        self.train = Progressions(GLOBAL_BATCH * STEPS * accumulate, seed=1)
+        self.train = Progressions(train_samples or GLOBAL_BATCH * STEPS * accumulate, seed=1)
         self.val = Progressions(GLOBAL_BATCH * 2, seed=2)
 
     def _loader(self, ds: Dataset) -> DataLoader:
