@@ -276,12 +276,24 @@ class FailureMonitor:
         peer: int | None = None,
         *,
         min_timeout: float = 0.0,
+        landed: Callable[[], bool] | None = None,
     ) -> None:
         """Wait for ``works``; raise :class:`PipelineAborted` or :class:`PipelineHang` instead of
         blocking forever. ``what`` describes the wait for messages (a string or a callable).
         ``min_timeout`` raises the watchdog limit for this wait only (set-up rendezvous, where
-        ranks legitimately arrive seconds apart)."""
+        ranks legitimately arrive seconds apart). ``landed``: a cheap test that the works'
+        data has already arrived (their ``wait()`` cannot block); when it says so, the works
+        are waited for on this thread, skipping the helper-thread hand-off."""
         if not works:
+            return
+        if landed is not None and not self._broken and landed():
+            box: list[BaseException] = []
+            try:
+                for w in works:
+                    w.wait()
+            except BaseException as e:
+                box.append(e)
+            self._finish(box, what)
             return
         limit = self.watchdog_timeout
         if limit is not None:
@@ -296,7 +308,7 @@ class FailureMonitor:
         t0 = time.monotonic()
         if self.poll_works:
             done = lambda: all(w.is_completed() for w in works)  # noqa: E731
-            box: list[BaseException] = []
+            box = []
         else:
             if self._waiter is None:
                 self._waiter = _Waiter()

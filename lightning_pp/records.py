@@ -33,7 +33,10 @@ class StepEvent:
     ``compute_end``: when the computation finished, just before the sends were posted (``None``
     in records that predate it). ``send_time``: when this action's messages were handed to the
     communicator (equal to ``compute_end``; ``None`` when it sent nothing): a receiver's data
-    arrival minus the sender's ``send_time`` is one real hop delay.
+    arrival minus the sender's ``send_time`` is one real hop delay. ``recv_posted_after``: the
+    index (in this rank's action list) of the action after which this action's receives were
+    posted, ``-1`` before the first action; ``None`` when it received nothing (see the engine's
+    ``recv_lookahead``).
     """
 
     action: Action
@@ -46,6 +49,7 @@ class StepEvent:
     inflight: int = 0
     compute_end: float | None = None
     send_time: float | None = None
+    recv_posted_after: int | None = None
 
     @property
     def duration(self) -> float:

@@ -25,7 +25,7 @@ from engine_models import (
     tuple_layers,
 )
 
-from lightning_pp.engine import PipelineEngine
+from lightning_pp.engine import GLOO_RECV_LOOKAHEAD, PipelineEngine
 from lightning_pp.schedules import Op, build_schedule
 from lightning_pp.topology import PipelineTopology, build_process_groups
 
@@ -36,13 +36,14 @@ TOL = 1e-6
 
 def _case(schedule, pp, vpp, m, **kw):
     c = dict(schedule=schedule, pp=pp, vpp=vpp, m=m, model="mlp", reduction="mean", group=None)
-    c.update(release=True, static=False, batch=10)
+    c.update(release=True, static=False, batch=10, lookahead=None)
     c.update(kw)
     c["id"] = (
         f"{c['model']}-{schedule}-pp{pp}-vpp{vpp}-m{m}-{c['reduction']}"
         + (f"-N{c['group']}" if c["group"] else "")
         + ("-static" if c["static"] else "")
         + ("" if c["release"] else "-norelease")
+        + (f"-L{c['lookahead']}" if c["lookahead"] else "")
     )
     return c
 
@@ -77,6 +78,17 @@ CASES = [
     _case("1f1b", 4, 1, 4, model="tuple", batch=8),
     _case("interleaved", 2, 2, 5, model="tuple", batch=8, group=5),
     _case("gpipe", 4, 2, 4, model="tuple", batch=8),
+    # receive lookahead (default None = 8 on gloo): 1 = just in time (what NCCL runs), 64 = every
+    # receive as early as it can be posted (headers, static shapes, varying shapes)
+    _case("1f1b", 4, 1, 8, lookahead=1),
+    _case("interleaved", 4, 2, 8, lookahead=1),
+    _case("interleaved", 4, 2, 8, lookahead=2),
+    _case("gpipe", 2, 1, 4, lookahead=64),
+    _case("1f1b", 4, 1, 6, lookahead=64),
+    _case("interleaved", 4, 2, 8, lookahead=64),
+    _case("interleaved", 4, 2, 8, static=True, lookahead=64),
+    _case("gpipe", 4, 2, 5, static=True, lookahead=64),
+    _case("interleaved", 2, 2, 5, model="tuple", batch=8, group=5, lookahead=64),
 ]
 SEQ_LENS = [5, 7, 3, 6, 4]
 
@@ -136,6 +148,7 @@ def _run_case(rank, case, groups_cache):
         loss_reduction=case["reduction"],
         release_outputs=case["release"],
         static_shapes=case["static"],
+        recv_lookahead=case["lookahead"],
         measure_memory=True,
         on_chunk_grads_ready=lambda c: calls.append((c, time.perf_counter())),
     )
@@ -176,6 +189,7 @@ def _run_case(rank, case, groups_cache):
         out["hook"] += [
             f"step {step}: {p}" for p in _hook_problems(calls, res.record, schedule, topo.pp_rank)
         ]
+        out["posted_after"] = [ev.recv_posted_after for ev in res.record.events]
         out["peak_stash"] = max(out["peak_stash"], res.record.peak_stash_bytes)
         out["peak_saved"] = res.record.peak_saved_bytes
         out["peak_inflight"] = res.record.peak_inflight
@@ -274,3 +288,60 @@ def test_peak_inflight_follows_schedule(world4):
         assert r["peak_inflight"] == min(4 - r["pp_rank"], 8)
         g = res["mlp-gpipe-pp4-vpp1-m4-mean"]
         assert g["peak_inflight"] == 4
+
+
+def _expected_posted_after(actions, pp, pp_rank, num_stages, lookahead):
+    """The posting rule, restated from the engine's docs: after each action, receives are
+    posted for the actions up to ``lookahead`` ahead, in order, stopping at a backward whose
+    forward has not run yet (its gradient shape is unknown); the next action is always posted.
+    Returns, per action, the index it was posted after (None: it receives nothing)."""
+    stage = [a.chunk * pp + pp_rank for a in actions]
+    receives = [(s > 0) if a.op is Op.F else (s < num_stages - 1) for a, s in zip(actions, stage)]
+    forward_at = {(a.mb, a.chunk): i for i, a in enumerate(actions) if a.op is Op.F}
+    expected, upto = [None] * len(actions), -1
+    for after in range(-1, len(actions) - 1):
+        j = upto + 1
+        while j <= min(after + lookahead, len(actions) - 1):
+            a = actions[j]
+            unknown_shape = a.op is Op.B and forward_at[(a.mb, a.chunk)] > after
+            if j > after + 1 and receives[j] and unknown_shape:
+                break
+            if receives[j]:
+                expected[j] = after
+            j += 1
+        upto = j - 1
+    return expected
+
+
+@pytest.mark.parametrize(
+    "case", [c for c in CASES if c["lookahead"] or not c["static"]], ids=lambda c: c["id"]
+)
+def test_receives_are_posted_lookahead_actions_early(world4, case):
+    """Each action's receives were posted where the lookahead rule says (default on gloo: 8)."""
+    lookahead = case["lookahead"] or GLOO_RECV_LOOKAHEAD
+    schedule = build_schedule(
+        case["schedule"],
+        pp=case["pp"],
+        microbatches=case["m"],
+        vpp=case["vpp"],
+        group_size=case["group"],
+    )
+    for rank, res in enumerate(world4):
+        r = res[case["id"]]
+        actions = schedule.ranks[r["pp_rank"]]
+        want = _expected_posted_after(
+            actions, case["pp"], r["pp_rank"], schedule.num_stages, lookahead
+        )
+        assert r["posted_after"] == want, (rank, r["posted_after"], want)
+
+
+def test_lookahead_posts_gradient_receives_once_their_forward_ran(world4):
+    """Hand-worked: GPipe pp=2 m=4, lookahead 64, rank 0 (F0-F3 receive nothing). B_k's gradient
+    receive needs F_k's output shape, so it is posted right after F_k (index k); the last
+    stage's forward receives all go out before the first action."""
+    for res in world4:
+        r = res["mlp-gpipe-pp2-vpp1-m4-mean-L64"]
+        if r["pp_rank"] == 0:
+            assert r["posted_after"] == [None] * 4 + [0, 1, 2, 3]
+        else:
+            assert r["posted_after"] == [-1] * 4 + [None] * 4

@@ -151,3 +151,39 @@ def test_batch_smaller_than_microbatches():
         ValueError, match="batch size 3 is smaller than the number of microbatches 4"
     ):
         engine.train_step(mlp_batch(0, 3))
+
+
+def test_recv_lookahead_is_validated_and_resolved(monkeypatch):
+    from types import SimpleNamespace
+
+    import lightning_pp.engine as engine_mod
+
+    layers = mlp_layers(0)
+    topo = PipelineTopology(world_size=1, pp=1, dp=1, rank=0)
+    sched = build_schedule("gpipe", pp=1, microbatches=2)
+    with pytest.raises(ValueError, match="recv_lookahead must be a positive integer, got 0"):
+        PipelineEngine(
+            make_chunks(layers, 1, 1, 0),
+            sched,
+            topo,
+            None,
+            loss_fn=mse_loss("mean"),
+            recv_lookahead=0,
+        )
+    # pp=1: every message is in-process and exists only once sent: no lookahead possible
+    eng = PipelineEngine(
+        make_chunks(layers, 1, 1, 0),
+        sched,
+        topo,
+        None,
+        loss_fn=mse_loss("mean"),
+        recv_lookahead=5,
+    )
+    assert eng.recv_lookahead == 1
+    # pp>1: NCCL runs just in time (one stream per rank), gloo looks ahead; explicit wins
+    resolve = engine_mod.PipelineEngine._resolve_lookahead
+    fake = SimpleNamespace(pp=2)
+    for backend, want in (("nccl", 1), ("gloo", engine_mod.GLOO_RECV_LOOKAHEAD)):
+        monkeypatch.setattr(engine_mod.dist, "get_backend", lambda group, b=backend: b)
+        assert resolve(fake, None, object()) == want
+        assert resolve(fake, 3, object()) == 3
