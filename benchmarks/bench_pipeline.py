@@ -37,6 +37,10 @@ from benchmarks.peer_torch import stage_layers
 from benchmarks.workloads import Workload
 
 IMPLS = ("ours", "torch")
+# Extra implementations selectable with --impls (not in the default sweep): "ours-nomon" is ours
+# with the failure monitor off (abort_on_failure=False), to measure what reliability costs;
+# "ours-L<n>" is ours with recv_lookahead=n (e.g. ours-L1: receives posted just in time).
+EXTRA_IMPLS = ("ours-nomon", "ours-L1", "ours-L2", "ours-L4", "ours-L16")
 SCHEDULE_VPP = {"gpipe": 1, "1f1b": 1, "interleaved": 2}
 
 
@@ -62,6 +66,14 @@ def _builder(impl: str):
         from benchmarks.ours import build_ours_step
 
         return build_ours_step
+    if impl == "ours-nomon" or impl.startswith("ours-L"):
+        import functools
+
+        from benchmarks.ours import build_ours_step
+
+        if impl == "ours-nomon":
+            return functools.partial(build_ours_step, monitor=False)
+        return functools.partial(build_ours_step, recv_lookahead=int(impl[len("ours-L") :]))
     raise ValueError(f"unknown implementation {impl!r}; choose from {IMPLS}")
 
 
@@ -210,7 +222,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--pp", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--microbatches", type=int, nargs="+", default=[4, 8, 16])
     ap.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b", "interleaved"])
-    ap.add_argument("--impls", nargs="+", default=list(IMPLS), choices=list(IMPLS))
+    ap.add_argument("--impls", nargs="+", default=list(IMPLS), choices=list(IMPLS + EXTRA_IMPLS))
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--steps", type=int, default=3, help="measured steps per round")
     ap.add_argument("--warmup", type=int, default=2, help="unmeasured steps before round 0")

@@ -36,8 +36,15 @@ def build_ours_step(
     rank: int,
     device: torch.device,
     stats: RankStats,
+    *,
+    monitor: bool = True,
+    recv_lookahead: int | None = None,
 ) -> tuple[Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None], list[nn.Parameter]]:
-    """Return ``(step(x, y) -> loss or None, local parameters)``, like the torch peer's builder."""
+    """Return ``(step(x, y) -> loss or None, local parameters)``, like the torch peer's builder.
+
+    ``monitor=False`` turns the engine's failure monitor off (``abort_on_failure=False``);
+    ``recv_lookahead`` overrides the engine's default.
+    """
     layers = workload.build_layers(pp)
     ranges = partition_layers(len(layers), pp, vpp)
     chunks = []
@@ -57,6 +64,8 @@ def build_ours_step(
         loss_fn=lambda out, mb: Workload.loss_fn(out, mb[1]),
         device=device,
         static_shapes=STATIC_SHAPES,
+        abort_on_failure=monitor,
+        recv_lookahead=recv_lookahead,
     )
     params = [p for c in chunks for p in c.parameters()]
     is_last = rank == pp - 1
