@@ -11,12 +11,11 @@ import argparse
 import csv
 import json
 import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from jobs import run_job
 
 PP, M, MB_SIZE, WIDTH, STEPS = 4, 8, 2, 16, 4
 T_F, T_B = 0.060, 0.120  # per stage, seconds: 8 layers, 2 per rank
@@ -87,26 +86,12 @@ def main(out: Path) -> None:
 def run(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("callbacks_trainer")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).parents[1]))
-    proc = subprocess.Popen(
-        [sys.executable, __file__, "--out", str(out)],
-        env=env,
-        start_new_session=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-        log, _ = proc.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        log, _ = proc.communicate()
+    # kill_leftovers (default): the launcher's per-rank children share the session
+    result = run_job([sys.executable, __file__, "--out", str(out)], env=env, timeout=240)
+    log = result.output
+    if result.timed_out:
         pytest.fail(f"Trainer run killed after 240 s:\n{log[-4000:]}")
-    finally:
-        try:  # the launcher's per-rank children share the session: leave none behind
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    assert proc.returncode == 0, log[-6000:]
+    assert result.returncode == 0, log[-6000:]
     return out
 
 

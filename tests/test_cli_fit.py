@@ -5,8 +5,8 @@
 * the same run started by Lightning's own launcher (devices=4) and by two torchrun "nodes" of two
   processes on loopback writes the same per-step losses.
 
-Every subprocess tree is killed on timeout (torchrun puts its workers in their own sessions, so
-we walk /proc for descendants instead of trusting process groups).
+Every subprocess tree is killed on timeout (``jobs.kill_job``: torchrun puts its workers in their
+own sessions, so it kills the leader's descendants found in /proc as well as its process group).
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from __future__ import annotations
 import csv
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -22,6 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
+from jobs import kill_job, start_job
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = "configs/demo_cpu.yaml"
@@ -60,63 +60,32 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(ppid, []).append(int(entry.name))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
-def _kill_tree(proc: subprocess.Popen) -> None:
-    for pid in [*_descendants(proc.pid), proc.pid]:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    proc.wait()
-
-
 def run_all(cmds: list[list[str]], timeout: float, logs: list[Path]) -> list[int]:
     """Run commands concurrently; on timeout kill every process tree and fail with the logs."""
     procs = []
     for cmd, log in zip(cmds, logs):
         with open(log, "w") as out:
-            procs.append(
-                subprocess.Popen(
-                    cmd,
-                    cwd=REPO,
-                    env=_env(),
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
-            )
+            procs.append(start_job(cmd, cwd=REPO, env=_env(), stdout=out))
     deadline = time.monotonic() + timeout
     try:
         for p in procs:
             p.wait(timeout=max(1.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
         for p in procs:
-            _kill_tree(p)
+            _kill(p)
         tails = "\n".join(f"--- {log}\n{log.read_text()[-3000:]}" for log in logs)
         pytest.fail(f"timed out after {timeout}s: {cmds}\n{tails}")
     finally:
         for p in procs:
             if p.poll() is None:
-                _kill_tree(p)
+                _kill(p)
     return [p.returncode for p in procs]
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:  # kill_job walks descendants from the pid: only while it is ours
+        kill_job(proc.pid)
+    proc.wait()
 
 
 def read_losses(path: Path) -> list[tuple[int, float]]:

@@ -420,9 +420,9 @@ SCRIPTS = os.path.join(os.path.dirname(__file__), "scripts")
 
 
 def test_trainer_job_ends_when_a_callback_raises_on_one_rank(tmp_path):
-    import signal
-    import subprocess
     import sys
+
+    from jobs import kill_group, run_job, wait_group_gone
 
     env = {
         **os.environ,
@@ -432,33 +432,16 @@ def test_trainer_job_ends_when_a_callback_raises_on_one_rank(tmp_path):
         "FAULT_CKPT_DIR": str(tmp_path),
     }
     cmd = [sys.executable, os.path.join(SCRIPTS, "fault_trainer.py"), "1", "callback"]
-    proc = subprocess.Popen(
-        cmd,
-        env=env,
-        cwd=tmp_path,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, _ = proc.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
+    # kill_leftovers=False: whether the job cleans up by itself is what is checked below
+    result = run_job(cmd, env=env, cwd=tmp_path, timeout=240, kill_leftovers=False)
+    out = result.output
+    if result.timed_out:
         pytest.fail(f"the job did not end after one rank failed:\n{out[-6000:]}")
     # every process of the job (launcher children included) is gone within a bound
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            os.killpg(proc.pid, 0)
-        except ProcessLookupError:
-            break
-        time.sleep(0.2)
-    else:
-        os.killpg(proc.pid, signal.SIGKILL)
+    if not wait_group_gone(result.pgid, within=30):
+        kill_group(result.pgid)
         pytest.fail(f"processes of the job outlived it:\n{out[-4000:]}")
-    assert proc.returncode != 0, out[-4000:]
+    assert result.returncode != 0, out[-4000:]
     assert "Injected: injected failure on rank 1 in on_train_batch_end" in out
     # the ranks that were waiting on rank 1 stopped through the abort channel and named it
     aborted = [ln for ln in out.splitlines() if "PipelineAborted: rank" in ln]

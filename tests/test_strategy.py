@@ -11,9 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
-import signal
 import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -24,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "tests" / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 
+from jobs import run_job  # noqa: E402
 from pp_common import run_reference  # noqa: E402
 
 REL_TOL = 1e-5
@@ -53,29 +52,11 @@ def _free_port() -> int:
 def _run(cmd: list[str], timeout: float, env: dict | None = None) -> str:
     """Run ``cmd`` in its own session; on timeout kill the whole process group."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
-    proc = subprocess.Popen(
-        cmd,
-        cwd=ROOT,
-        env=full_env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"timed out after {timeout}s: {' '.join(cmd)}\n{out[-6000:]}")
-    finally:
-        try:  # stragglers (e.g. a rank left behind by a failed peer)
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    if proc.returncode != 0:
-        pytest.fail(f"exit code {proc.returncode}: {' '.join(cmd)}\n{out[-6000:]}")
-    return out
+    # kill_leftovers (default): stragglers, e.g. a rank left behind by a failed peer
+    result = run_job(cmd, env=full_env, cwd=ROOT, timeout=timeout)
+    if result.timed_out or result.returncode != 0:
+        pytest.fail(result.describe(6000))
+    return result.output
 
 
 def _load(out: Path, configs: list[dict], world: int) -> dict[str, list[dict]]:
@@ -323,27 +304,12 @@ def test_batch_smaller_than_microbatches_fails_on_every_rank_without_hanging(tmp
     script = tmp_path / "small_batch.py"
     script.write_text(SMALL_BATCH_SCRIPT)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.Popen(
-        [sys.executable, str(script)],
-        cwd=tmp_path,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, _ = proc.communicate(timeout=180)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
+    # kill_leftovers (default): Lightning's per-rank child shares the session, leave none behind
+    result = run_job([sys.executable, str(script)], env=env, cwd=tmp_path, timeout=180)
+    out = result.output
+    if result.timed_out:
         pytest.fail(f"the job hung on a batch smaller than microbatches:\n{out[-4000:]}")
-    finally:
-        try:  # Lightning's per-rank child shares the session: leave none behind
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    assert proc.returncode != 0, out[-4000:]
+    assert result.returncode != 0, out[-4000:]
     for rank in range(2):
         want = (
             f"RANK {rank} ENDED WITH PreflightError: rank {rank}: batch size 2 per replica is "

@@ -9,15 +9,17 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "scripts" / "ckpt_run.py"
+if str(ROOT / "tests") not in sys.path:  # tests/jobs.py, also when imported from outside pytest
+    sys.path.insert(0, str(ROOT / "tests"))
+
+from jobs import kill_job, start_job  # noqa: E402
 
 
 def free_port() -> int:
@@ -52,16 +54,7 @@ def launch(world: int, phases: list[dict], out: Path, timeout: float = 240.0) ->
         log = open(out / f"launch.rank{rank}.log", "w+")
         logs.append(log)
         cmd = [sys.executable, str(SCRIPT), "--out", str(out), "--phases", json.dumps(phases)]
-        procs.append(
-            subprocess.Popen(
-                cmd,
-                cwd=ROOT,
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        )
+        procs.append(start_job(cmd, cwd=ROOT, env=env, stdout=log))
     codes: list[int | str | None] = [None] * world
     deadline = time.monotonic() + timeout
     try:
@@ -77,10 +70,7 @@ def launch(world: int, phases: list[dict], out: Path, timeout: float = 240.0) ->
     finally:
         for r, p in enumerate(procs):
             if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+                kill_job(p.pid)
                 p.wait()
                 codes[r] = "killed" if codes[r] is None else codes[r]
     text = []
