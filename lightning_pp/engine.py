@@ -352,6 +352,7 @@ class PipelineEngine:
         self._collect = collect
         self._train = train
         sends: deque[PendingSend] = deque()
+        send_bytes = 0  # held by the sends in ``sends`` (a running total: summing is O(n^2))
         last_b = self._last_backward_index(actions) if train else {}
         index, action = -1, None
         monitor = self.monitor
@@ -365,7 +366,7 @@ class PipelineEngine:
                     monitor.set_context(
                         step=self._steps,
                         index=index,
-                        action=action.describe(),
+                        action=action,
                         pp_rank=self.topology.pp_rank,
                     )
                 start = time.perf_counter()
@@ -386,6 +387,7 @@ class PipelineEngine:
                 )
                 if sent.works:
                     sends.append(sent)
+                    send_bytes += sent.nbytes
                 if action.op is Op.F and train:
                     self._release(action)
                 if train and last_b.get(action.chunk) == index:
@@ -394,9 +396,9 @@ class PipelineEngine:
                     if self.on_chunk_grads_ready:
                         self.on_chunk_grads_ready(action.chunk)
                 while sends and sends[0].done():  # completes in order (NCCL; gloo: at wait)
-                    sends.popleft()
+                    send_bytes -= sends.popleft().nbytes
                 record.events.append(
-                    self._event(action, index, start, wait, sends, computed, bool(out_msgs))
+                    self._event(action, index, start, wait, send_bytes, computed, bool(out_msgs))
                 )
                 self._update_peaks(record)
             index, action = len(actions), None
@@ -712,7 +714,7 @@ class PipelineEngine:
         action_index: int,
         start: float,
         wait: float,
-        sends,
+        send_bytes: int,
         computed: float,
         sent: bool,
     ) -> StepEvent:
@@ -725,7 +727,7 @@ class PipelineEngine:
             comm_wait=wait,
             stash_bytes=stash,
             saved_bytes=sum(e.saved_bytes for e in entries),
-            send_bytes=sum(s.nbytes for s in sends),
+            send_bytes=send_bytes,
             inflight=len(entries),
             compute_end=computed,
             send_time=computed if sent else None,

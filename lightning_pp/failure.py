@@ -198,9 +198,20 @@ class FailureMonitor:
         return f"{_NAMESPACE}/state/{rank}"
 
     # -- context (cheap: attribute writes only) -------------------------------------------------
-    def set_context(self, *, step: int, index: int, action: str, pp_rank: int = -1) -> None:
-        """What this rank is doing now; published only if a wait blocks."""
+    def set_context(self, *, step: int, index: int, action: Any, pp_rank: int = -1) -> None:
+        """What this rank is doing now; published only if a wait blocks. ``action``: a text,
+        or an object with ``describe()`` (an :class:`~lightning_pp.schedules.Action`), which is
+        turned into text only when needed (this runs before every action)."""
         self._context = {"step": step, "index": index, "action": action, "pp_rank": pp_rank}
+
+    @property
+    def context(self) -> dict[str, Any]:
+        """The current context with ``action`` as text."""
+        ctx = dict(self._context)
+        action = ctx["action"]
+        if not isinstance(action, str):
+            ctx["action"] = action.describe()
+        return ctx
 
     # -- the abort channel ----------------------------------------------------------------------
     def aborted(self) -> dict | None:
@@ -227,7 +238,7 @@ class FailureMonitor:
 
     def _aborted_error(self, origin: dict, what: str) -> PipelineAborted:
         origin_rank = int(origin.get("rank", -1))
-        ctx = self._context
+        ctx = self.context
         doing = what or "between steps"
         if ctx["action"]:
             doing += f" (step {ctx['step']}, {ctx['action']})"
@@ -244,7 +255,7 @@ class FailureMonitor:
     def publish(self, what: str) -> None:
         if self.store is None:
             return
-        state = dict(self._context, what=what, t=time.time())
+        state = dict(self.context, what=what, t=time.time())
         try:
             self.store.set(self.state_key(self.rank), json.dumps(state))
         except Exception:
@@ -366,7 +377,7 @@ class FailureMonitor:
         raise box[0]
 
     def _hang_error(self, what: str, waited: float, peer: int | None) -> PipelineHang:
-        ctx = self._context
+        ctx = self.context
         lines = [
             f"rank {self.rank}: watchdog: blocked {waited:.1f} s (watchdog_timeout="
             f"{self.watchdog_timeout:g} s) {what}"
