@@ -337,6 +337,33 @@ def plot(rows: dict, workload: str, path: str) -> None:
     plt.close(fig)
 
 
+def ablation_table(recs: list[dict]) -> str:
+    """Markdown: median step of each implementation variant per configuration, and its ratio to
+    torch in the same run (``ours-L1``: receives just in time; ``ours-nomon``: no monitor)."""
+    by_cfg: dict[tuple, dict[str, float]] = {}
+    for r in recs:
+        if "step_s" not in r:
+            continue
+        key = (r["workload"], r["pp"], r["schedule"], r["vpp"], r["microbatches"])
+        by_cfg.setdefault(key, {})[r["impl"]] = statistics.median(r["step_s"]) * 1e3
+    impls = sorted({i for v in by_cfg.values() for i in v}, key=lambda i: (i == "torch", i))
+    head = "| workload | p | schedule | v | m | " + " | ".join(f"{i} ms (/torch)" for i in impls)
+    lines = [head + " |", "|---" * (5 + len(impls)) + "|"]
+    for key in sorted(by_cfg):
+        vals = by_cfg[key]
+        torch_ms = vals.get("torch")
+        cells = []
+        for i in impls:
+            if i not in vals:
+                cells.append("")
+            elif i == "torch" or not torch_ms:
+                cells.append(f"{vals[i]:.1f}")
+            else:
+                cells.append(f"{vals[i]:.1f} ({vals[i] / torch_ms:.3f})")
+        lines.append("| " + " | ".join(str(k) for k in key) + " | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def render(recs: list[dict], extra_md: str = "") -> tuple[str, dict]:
     rows = build_rows(recs)
     parts = []

@@ -6,7 +6,8 @@ Usage:
     python benchmarks/run_all.py --out benchmarks/results --device cuda   # NCCL, one GPU per rank
 
 Writes ``raw_<workload>.jsonl`` (one record per configuration and implementation), the
-strategy overhead table ``strategy_overhead.md``, ``results.md`` (tables + target verdicts)
+lookahead/monitor ablation ``raw_ablation.jsonl``, the strategy overhead table
+``strategy_overhead.md``, ``results.md`` (tables + target verdicts)
 and ``bench_<workload>.png`` into ``--out``; with ``--docs-img DIR`` the PNGs are copied there.
 """
 
@@ -30,7 +31,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--quick", action="store_true", help="fewer configurations and steps")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    ap.add_argument("--workloads", nargs="+", default=["sleep", "transformer", "strategy"])
+    ap.add_argument(
+        "--workloads", nargs="+", default=["sleep", "transformer", "ablation", "strategy"]
+    )
     ap.add_argument("--pp", type=int, nargs="+", default=None)
     ap.add_argument("--microbatches", type=int, nargs="+", default=None)
     ap.add_argument("--rounds", type=int, default=None)
@@ -46,7 +49,7 @@ def main(argv: list[str] | None = None) -> None:
     raws = []
     command = " ".join(["python"] + sys.argv)
     for wl in a.workloads:
-        if wl == "strategy":
+        if wl in ("strategy", "ablation"):
             continue
         if wl == "sleep":
             # quick: the same shape at a quarter of the cost (the ratios are what matter)
@@ -74,6 +77,32 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{wl}: {len(recs)} records in {time.time() - t0:.0f}s -> {path}", flush=True)
         raws.append(path)
     extra = ""
+    if "ablation" in a.workloads:
+        # What the engine's receive lookahead and the failure monitor are worth, same run.
+        w = Workload("transformer", dim=64 if a.quick else 128, seq=32 if a.quick else 64)
+        path = os.path.join(a.out, "raw_ablation.jsonl")
+        if os.path.exists(path):
+            os.remove(path)
+        info = bench_pipeline.machine_info()
+        recs = bench_pipeline.run(
+            w,
+            pps,
+            [8],
+            ["1f1b", "interleaved"],
+            ("ours", "ours-L1", "ours-nomon", "torch"),
+            rounds,
+            steps + 1,
+            2,
+            a.device,
+        )
+        bench_pipeline.write_records(path, recs, info, bench_pipeline.machine_info(), command)
+        extra += (
+            "## Ablation: receive lookahead and failure monitor (transformer, m=8)\n\n"
+            f"- command: `{command}`; load average at start {info['loadavg']}\n"
+            "- `ours`: defaults (receives up to 8 actions ahead, failure monitor on); "
+            "`ours-L1`: receives posted just in time (the NCCL setting); `ours-nomon`: "
+            "monitor off (`abort_on_failure=False`)\n\n" + report.ablation_table(recs) + "\n"
+        )
     if "strategy" in a.workloads:
         from benchmarks import bench_strategy
 
@@ -81,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
         bench_strategy.main(
             ["--out", extra_path, "--device", a.device] + (["--quick"] if a.quick else [])
         )
-        extra = open(extra_path).read()
+        extra += open(extra_path).read()
     if raws:
         md, rows = report.render(report.load(raws), extra)
         with open(os.path.join(a.out, "results.md"), "w") as f:
