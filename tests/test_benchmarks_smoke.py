@@ -93,3 +93,28 @@ def test_strategy_overhead_script(tmp_path):
     )
     md = out.read_text()
     assert "| **median over runs** |" in md and "Target 5" in md
+
+
+def test_ablation_variants_agree_and_render():
+    """The ablation's variants (receives just in time, monitor off) change timing only: the
+    same losses as torch's runtime, and one table row per configuration with every variant."""
+    w = Workload("sleep", t_f=0.001, t_b=0.002, width=8, mb_size=2)
+    impls = ("ours", "ours-L1", "ours-nomon", "torch")
+    recs = bench_pipeline.run(
+        w,
+        pps=[2],
+        microbatches=[4],
+        schedules=["interleaved"],
+        impls=impls,
+        rounds=2,
+        steps=1,
+        warmup=1,
+        timeout=180,
+    )
+    by = {r["impl"]: r["losses"] for r in recs}
+    assert set(by) == set(impls)
+    for impl in impls[:-1]:
+        assert by[impl] == pytest.approx(by["torch"], rel=1e-6), impl
+    table = report.ablation_table(recs)
+    rows = [ln for ln in table.splitlines() if ln.startswith("| sleep")]
+    assert len(rows) == 1 and rows[0].count("(") == 3, table  # three variants / torch
