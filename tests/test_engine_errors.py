@@ -158,27 +158,11 @@ def test_recv_lookahead_is_validated_and_resolved(monkeypatch):
 
     import lightning_pp.engine as engine_mod
 
-    layers = mlp_layers(0)
-    topo = PipelineTopology(world_size=1, pp=1, dp=1, rank=0)
     sched = build_schedule("gpipe", pp=1, microbatches=2)
     with pytest.raises(ValueError, match="recv_lookahead must be a positive integer, got 0"):
-        PipelineEngine(
-            make_chunks(layers, 1, 1, 0),
-            sched,
-            topo,
-            None,
-            loss_fn=mse_loss("mean"),
-            recv_lookahead=0,
-        )
+        _pp1_engine(sched, mlp_layers(0), recv_lookahead=0)
     # pp=1: every message is in-process and exists only once sent: no lookahead possible
-    eng = PipelineEngine(
-        make_chunks(layers, 1, 1, 0),
-        sched,
-        topo,
-        None,
-        loss_fn=mse_loss("mean"),
-        recv_lookahead=5,
-    )
+    _, eng = _pp1_engine(sched, mlp_layers(0), recv_lookahead=5)
     assert eng.recv_lookahead == 1
     # pp>1: NCCL runs just in time (one stream per rank), gloo looks ahead; explicit wins
     resolve = engine_mod.PipelineEngine._resolve_lookahead
