@@ -2,10 +2,11 @@
 
 The executor is one loop over this rank's action list. Around each action it:
 
-1. waits for the receives the action needs (posted at the end of the previous action),
+1. waits for the receives the action needs (posted at the end of an earlier action),
 2. computes (F: forward through one local chunk; B: backward of the OLDEST stashed forward of
    that chunk),
-3. posts the action's sends TOGETHER with the receives of the next action in one batched call.
+3. posts the action's sends TOGETHER with the receives of the next action, and of later ones up
+   to ``recv_lookahead`` ahead, in one batched call.
 
 Sends are never waited for before the end of the step (a send keeps its buffer alive itself);
 receives are waited for just before their data is needed. That is exactly the dry-run model of
@@ -30,7 +31,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -62,6 +63,17 @@ from .topology import PipelineTopology, ProcessGroups
 
 # Pending transfers of failed steps, never released (see the end of _run_actions).
 _ABANDONED: list[Any] = []
+
+
+@dataclass
+class _ReceiveWindow:
+    """One step's posted receives: per action index, its pending receives and the index of
+    the action after which they were posted; ``upto``: the last action posted for."""
+
+    posted: dict[int, list[PendingRecv]] = field(default_factory=dict)
+    posted_after: dict[int, int] = field(default_factory=dict)
+    upto: int = -1
+
 
 GLOO_RECV_LOOKAHEAD = 8
 """Default ``recv_lookahead`` on gloo. Measured on a 2-core machine (``benchmarks/``,
@@ -268,8 +280,6 @@ class PipelineEngine:
             monitor=self.monitor,
         )
         self.recv_lookahead = self._resolve_lookahead(recv_lookahead, pp_group)
-        self._posted_upto = -1  # last action index whose receives are posted (this step)
-        self._posted_after: dict[int, int] = {}  # action index -> index it was posted after
         self._batch_storages: set[int] = set()  # the current step's input batch
         self._param_storages = {
             p.untyped_storage().data_ptr() for c in self.chunks for p in c.parameters()
@@ -360,12 +370,11 @@ class PipelineEngine:
         index, action = -1, None
         monitor = self.monitor
         ahead = self.recv_lookahead
-        posted: dict[int, list[PendingRecv]] = {}
+        window = _ReceiveWindow()
         pending: list[PendingRecv] = []
         finished = False
-        self._posted_upto, self._posted_after = -1, {}
         try:
-            self._post(actions, [], must=0, upto=ahead - 1, posted=posted, after=-1)
+            self._post(window, actions, [], after=-1, upto=ahead - 1)
             for index, action in enumerate(actions):
                 if monitor is not None:  # attribute writes only: published if a wait blocks
                     monitor.set_context(
@@ -375,21 +384,14 @@ class PipelineEngine:
                         pp_rank=self.topology.pp_rank,
                     )
                 start = time.perf_counter()
-                pending = posted.pop(index)
+                pending = window.posted.pop(index)
                 received = [p.wait() for p in pending]
                 wait = sum(p.waited for p in pending)
                 out_msgs = self._execute(action, received, pending)
                 # Stamped before the sends are posted: the receiver's data arrival minus this
                 # time is the real hop delay (posting, transfer, the receiver's wake-up).
                 computed = time.perf_counter()
-                sent = self._post(
-                    actions,
-                    out_msgs,
-                    must=index + 1,
-                    upto=index + ahead,
-                    posted=posted,
-                    after=index,
-                )
+                sent = self._post(window, actions, out_msgs, after=index, upto=index + ahead)
                 if sent.works:
                     sends.append(sent)
                     send_bytes += sent.nbytes
@@ -403,7 +405,15 @@ class PipelineEngine:
                 while sends and sends[0].done():  # completes in order (NCCL; gloo: at wait)
                     send_bytes -= sends.popleft().nbytes
                 record.events.append(
-                    self._event(action, index, start, wait, send_bytes, computed, bool(out_msgs))
+                    self._event(
+                        action,
+                        window.posted_after.get(index),
+                        start,
+                        wait,
+                        send_bytes,
+                        computed,
+                        bool(out_msgs),
+                    )
                 )
                 self._update_peaks(record)
             index, action = len(actions), None
@@ -449,7 +459,7 @@ class PipelineEngine:
                 # happens to run. A process that carried on after failures stalled in unrelated
                 # places (the fault suite's 36 failures in one world took 84-103 s instead of
                 # 13-31 s). Keeping them for the process's lifetime costs only their buffers.
-                _ABANDONED.append((posted, pending, sends))
+                _ABANDONED.append((window, pending, sends))
         leftover = sum(len(q) for q in self._stash)
         if leftover:
             raise PipelineStepError(
@@ -474,25 +484,25 @@ class PipelineEngine:
 
     def _post(
         self,
+        window: _ReceiveWindow,
         actions: Sequence[Action],
         out_msgs: list[Message],
         *,
-        must: int,
-        upto: int,
-        posted: dict[int, list[PendingRecv]],
         after: int,
+        upto: int,
     ) -> PendingSend:
-        """Send ``out_msgs`` with the receives of actions ``.. upto`` in one batched call.
+        """After action ``after``, send ``out_msgs`` with the receives of actions up to ``upto``
+        (those not posted yet) in one batched call.
 
-        Actions up to ``must`` need their receives now (the next one); later ones are posted
-        only while they can be: a backward whose forward has not run yet has no gradient shape,
-        and stops the scan (receives of one channel must be posted in schedule order).
+        The next action's receives are always posted; later ones only while they can be: a
+        backward whose forward has not run yet has no gradient shape, and stops the scan
+        (receives of one channel must be posted in schedule order).
         """
         reqs: list[RecvRequest] = []
         counts: list[tuple[int, int]] = []
-        j, last = self._posted_upto + 1, min(upto, len(actions) - 1)
+        j, last = window.upto + 1, min(upto, len(actions) - 1)
         while j <= last:
-            needs = self._needs(actions[j]) if j <= must else self._needs_ahead(actions[j])
+            needs = self._needs(actions[j], ahead=j > after + 1)
             if needs is None:
                 break
             reqs += needs
@@ -501,45 +511,40 @@ class PipelineEngine:
         sent, pendings = self.comm.exchange(out_msgs, reqs)
         k = 0
         for idx, n in counts:
-            posted[idx] = pendings[k : k + n]
+            window.posted[idx] = pendings[k : k + n]
             k += n
             if n:
-                self._posted_after[idx] = after
-        self._posted_upto = j - 1
+                window.posted_after[idx] = after
+        window.upto = j - 1
         return sent
 
-    def _needs_ahead(self, action: Action) -> list[RecvRequest] | None:
-        """The receives of a LATER action, or ``None`` if they cannot be posted yet."""
-        s = self._stage(action.chunk)
-        if action.op is Op.F:
-            reqs = self._needs(action)
-            return reqs if all(self.comm.can_post_early(r) for r in reqs) else None
-        if s == self.schedule.num_stages - 1:
-            return []
-        # Not necessarily the stash head: backwards before this one pop older entries first
-        # (FIFO is checked when the backward runs).
-        entry = next((e for e in self._stash[action.chunk] if e.mb == action.mb), None)
-        if entry is None:
-            return None
-        if not entry.out_specs:
-            return []
-        return [RecvRequest(GRAD, self._rank_of(s + 1), s, action.mb, specs=entry.out_specs)]
-
-    def _needs(self, action: Action) -> list[RecvRequest]:
+    def _needs(self, action: Action, *, ahead: bool = False) -> list[RecvRequest] | None:
+        """The receives ``action`` needs. ``ahead``: it is a LATER action than the next one;
+        ``None`` then means they cannot be posted yet."""
         s = self._stage(action.chunk)
         if action.op is Op.F:
             if s == 0:
                 return []
-            return [RecvRequest(ACT, self._rank_of(s - 1), s, action.mb)]
+            reqs = [RecvRequest(ACT, self._rank_of(s - 1), s, action.mb)]
+            if ahead and not self.comm.can_post_early(reqs[0]):
+                return None
+            return reqs
         if s == self.schedule.num_stages - 1:
             return []
         q = self._stash[action.chunk]
-        head = q[0] if q else None
-        self._check_fifo(action, head)
-        if not head.out_specs:  # no floating outputs: no gradient travels
+        if ahead:
+            # Not necessarily the stash head: backwards before this one pop older entries
+            # first (FIFO is checked when this backward runs).
+            entry = next((e for e in q if e.mb == action.mb), None)
+            if entry is None:
+                return None
+        else:
+            entry = q[0] if q else None
+            self._check_fifo(action, entry)
+        if not entry.out_specs:  # no floating outputs: no gradient travels
             return []
         # the tag names the RECEIVING stage (this one), as the sender's Message does
-        return [RecvRequest(GRAD, self._rank_of(s + 1), s, action.mb, specs=head.out_specs)]
+        return [RecvRequest(GRAD, self._rank_of(s + 1), s, action.mb, specs=entry.out_specs)]
 
     def _check_fifo(self, action: Action, head: _Entry | None) -> None:
         if head is None or head.mb != action.mb:
@@ -724,7 +729,7 @@ class PipelineEngine:
     def _event(
         self,
         action: Action,
-        action_index: int,
+        recv_posted_after: int | None,
         start: float,
         wait: float,
         send_bytes: int,
@@ -744,7 +749,7 @@ class PipelineEngine:
             inflight=len(entries),
             compute_end=computed,
             send_time=computed if sent else None,
-            recv_posted_after=self._posted_after.get(action_index),
+            recv_posted_after=recv_posted_after,
         )
 
     @staticmethod
