@@ -1,9 +1,10 @@
 """Point-to-point traffic between pipeline neighbours.
 
 One :class:`P2PCommunicator` per rank. Every compute step hands it the messages the step
-produced and the receives the NEXT step needs; all of them go out in ONE
-``dist.batch_isend_irecv`` call (Megatron's ``send_forward_recv_backward`` pairing), so two
-neighbours that send to each other at the same time never deadlock on ordering.
+produced and the receives of upcoming steps (at least the NEXT one; the engine's
+``recv_lookahead``); all of them go out in ONE ``dist.batch_isend_irecv`` call (Megatron's
+``send_forward_recv_backward`` pairing), so two neighbours that send to each other at the same
+time never deadlock on ordering.
 
 Messages carry an activation (a tensor or a tuple of tensors) forward, or the gradients of an
 activation's floating-point tensors backward.
@@ -25,9 +26,9 @@ the receiver stashed):
 Tags separate channels on gloo: ``tag = ((stage * 2 + kind) * 2 + is_header)`` where ``stage``
 is the receiving virtual stage. NCCL ignores tags and matches messages between a pair of ranks
 in posting order; that holds here because each side posts a channel's messages in schedule
-order and the receiver has at most one message per channel outstanding (it posts the receives of
-the next step only). A message whose peer is this very rank (pp=1 with several chunks) is handed
-over in-process.
+order and, on NCCL, the receiver has at most one message per channel outstanding (it posts the
+receives of the next step only). A message whose peer is this very rank (pp=1 with several
+chunks) is handed over in-process.
 
 Example (on every rank of an initialized pipeline group)::
 
@@ -98,7 +99,7 @@ _LANDING_MARK = torch.tensor(list(b"\x9d\x1fLPPmk\xc3"), dtype=torch.uint8)
 
 def _arm(buffer: torch.Tensor) -> torch.Tensor | None:
     """Write the landing mark into ``buffer``'s last 8 bytes; return that byte view."""
-    if buffer.numel() == 0 or not buffer.is_contiguous():
+    if not buffer.is_contiguous():
         return None
     tail = buffer.view(-1).view(torch.uint8)[-8:]
     if tail.numel() < 8:
@@ -351,6 +352,13 @@ class P2PCommunicator:
         # Only another header receive is safe: it goes to the header channel, in order.
         return not (self.static_shapes and (req.stage, req.mb) in self._agreed)
 
+    def _recv_buffers(
+        self, specs: Sequence[Spec]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+        """Fresh receive buffers for ``specs``, and their landing marks (if marking)."""
+        buffers = [torch.empty(s, dtype=d, device=self.device) for s, d in specs]
+        return buffers, [_arm(b) for b in buffers] if self._mark_landing else []
+
     def _on_header(self, pending: PendingRecv) -> None:
         req = pending.request
         self._awaiting_header[req.stage] -= 1
@@ -359,9 +367,7 @@ class P2PCommunicator:
             self._agreed[(req.stage, req.mb)] = (is_tuple, specs)
         pending.is_tuple = is_tuple
         pending.header = None
-        pending.buffers = [torch.empty(s, dtype=d, device=self.device) for s, d in specs]
-        if self._mark_landing:
-            pending.marks = [_arm(b) for b in pending.buffers]
+        pending.buffers, pending.marks = self._recv_buffers(specs)
         ops = [
             dist.P2POp(dist.irecv, b, req.peer, self.group, self.tag(req.kind, req.stage, False))
             for b in pending.buffers
@@ -469,9 +475,7 @@ class P2PCommunicator:
                 p.is_tuple, specs = agreed
             if specs is None:
                 raise ValueError(f"receive of a {_KIND[req.kind]} needs specs (shapes and dtypes)")
-            p.buffers = [torch.empty(s, dtype=d, device=self.device) for s, d in specs]
-            if self._mark_landing:
-                p.marks = [_arm(b) for b in p.buffers]
+            p.buffers, p.marks = self._recv_buffers(specs)
             for b in p.buffers:
                 ops.append(
                     dist.P2POp(
