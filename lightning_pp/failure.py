@@ -105,6 +105,16 @@ def _origin_summary(origin: dict) -> str:
     return ": ".join(parts)
 
 
+def _wait_all(works: Sequence[Any]) -> list[BaseException]:
+    """``wait()`` on each work in turn; the first error (in a list, to hand across threads)."""
+    try:
+        for w in works:
+            w.wait()
+    except BaseException as e:
+        return [e]
+    return []
+
+
 class _Waiter(threading.Thread):
     """Runs blocking ``Work.wait()`` calls so the calling thread can keep watching."""
 
@@ -117,11 +127,7 @@ class _Waiter(threading.Thread):
         while True:
             job = self.jobs.get()
             works, box, done = job
-            try:
-                for w in works:
-                    w.wait()
-            except BaseException as e:  # handed back to the caller, raised there
-                box.append(e)
+            box += _wait_all(works)  # handed back to the caller, raised there
             done.set()
 
 
@@ -298,13 +304,7 @@ class FailureMonitor:
         if not works:
             return
         if landed is not None and not self._broken and landed():
-            box: list[BaseException] = []
-            try:
-                for w in works:
-                    w.wait()
-            except BaseException as e:
-                box.append(e)
-            self._finish(box, what)
+            self._finish(_wait_all(works), what)
             return
         limit = self.watchdog_timeout
         if limit is not None:
@@ -319,7 +319,6 @@ class FailureMonitor:
         t0 = time.monotonic()
         if self.poll_works:
             done = lambda: all(w.is_completed() for w in works)  # noqa: E731
-            box = []
         else:
             if self._waiter is None:
                 self._waiter = _Waiter()
@@ -355,12 +354,7 @@ class FailureMonitor:
         if published:  # the state said "waiting": correct it, or a hang report would mislead
             self.publish("computing (its last wait ended)")
         if self.poll_works:
-            for w in works:  # surfaces a backend error of a completed work
-                try:
-                    w.wait()
-                except BaseException as e:
-                    box.append(e)
-                    break
+            box = _wait_all(works)  # surfaces a backend error of a completed work
         self._finish(box, what)
 
     def _finish(self, box: list[BaseException], what: str | Callable[[], str]) -> None:
