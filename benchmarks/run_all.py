@@ -26,6 +26,13 @@ from benchmarks import bench_pipeline, report
 from benchmarks.workloads import Workload
 
 
+def _workload(name: str, quick: bool) -> Workload:
+    if name == "sleep":
+        # quick: the same shape at a quarter of the cost (the ratios are what matter)
+        return Workload("sleep", t_f=0.005, t_b=0.010) if quick else Workload("sleep")
+    return Workload("transformer", dim=64 if quick else 128, seq=32 if quick else 64)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--out", default="benchmarks/results")
@@ -51,11 +58,7 @@ def main(argv: list[str] | None = None) -> None:
     for wl in a.workloads:
         if wl in ("strategy", "ablation"):
             continue
-        if wl == "sleep":
-            # quick: the same shape at a quarter of the cost (the ratios are what matter)
-            w = Workload("sleep", t_f=0.005, t_b=0.010) if a.quick else Workload("sleep")
-        else:
-            w = Workload("transformer", dim=64 if a.quick else 128, seq=32 if a.quick else 64)
+        w = _workload(wl, a.quick)
         path = os.path.join(a.out, f"raw_{wl}.jsonl")
         if os.path.exists(path):
             os.remove(path)
@@ -79,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
     extra = ""
     if "ablation" in a.workloads:
         # What the engine's receive lookahead and the failure monitor are worth, same run.
-        w = Workload("transformer", dim=64 if a.quick else 128, seq=32 if a.quick else 64)
+        w = _workload("transformer", a.quick)
         path = os.path.join(a.out, "raw_ablation.jsonl")
         if os.path.exists(path):
             os.remove(path)
