@@ -166,3 +166,24 @@ def test_forward_only_drops_backwards():
     s = build_schedule("interleaved", pp=2, vpp=2, microbatches=4).forward_only()
     assert all(a.op is Op.F for r in s.ranks for a in r)
     assert Action(Op.F, 3, 1) in s.ranks[1]
+
+
+def test_placement_loop_and_v_are_inverse():
+    from lightning_pp.schedules import Schedule
+
+    for placement, pp in (("loop", 4), ("v", 4), ("v", 2)):
+        s = Schedule("x", pp, 2, 4, tuple(() for _ in range(pp)), placement=placement)
+        seen = set()
+        for r in range(pp):
+            for c in range(2):
+                st = s.stage(r, c)
+                assert s.locate(st) == (r, c)
+                seen.add(st)
+            assert s.stages_of(r) == tuple(s.stage(r, c) for c in range(2))
+        assert seen == set(range(2 * pp))
+    v = Schedule("x", 4, 2, 4, tuple(() for _ in range(4)), placement="v")
+    assert v.stages_of(0) == (0, 7) and v.stages_of(3) == (3, 4)
+    loop = Schedule("x", 4, 2, 4, tuple(() for _ in range(4)))
+    assert loop.stages_of(0) == (0, 4)
+    with pytest.raises(ValueError, match="vpp=3"):
+        Schedule("x", 2, 3, 4, ((), ()), placement="v")

@@ -74,6 +74,17 @@ class Schedule:
     ranks: tuple[tuple[Action, ...], ...]
     group_size: int | None = None
     meta: dict = field(default_factory=dict, compare=False)
+    #: how virtual stages map onto (rank, chunk): ``"loop"`` (``chunk * pp + rank``: gpipe,
+    #: 1f1b, interleaved) or ``"v"`` (rank ``r`` holds stages ``r`` and ``2 * pp - 1 - r``, in
+    #: that chunk order; needs ``vpp == 2``). The ONLY statement of placement in the project:
+    #: partition, engine, strategy, checkpoints and callbacks ask the schedule.
+    placement: str = "loop"
+
+    def __post_init__(self) -> None:
+        if self.placement not in ("loop", "v"):
+            raise ValueError(f"placement must be 'loop' or 'v', got {self.placement!r}")
+        if self.placement == "v" and self.vpp != 2:
+            raise ValueError(f"V placement holds exactly 2 chunks per rank, got vpp={self.vpp}")
 
     @property
     def num_stages(self) -> int:
@@ -81,12 +92,31 @@ class Schedule:
         return self.pp * self.vpp
 
     def stage(self, rank: int, chunk: int) -> int:
-        """Virtual stage run by local ``chunk`` of ``rank``: ``chunk * pp + rank``."""
+        """Virtual stage run by local ``chunk`` of ``rank``.
+
+        Loop placement: ``chunk * pp + rank``. V placement: chunk 0 is stage ``rank`` and chunk
+        1 is stage ``2 * pp - 1 - rank`` (the pipeline goes down the ranks and back up).
+
+        Example:
+            >>> from lightning_pp.schedules import build_schedule
+            >>> build_schedule("interleaved", pp=4, vpp=2, microbatches=8).stage(0, 1)
+            4
+        """
+        if self.placement == "v" and chunk == 1:
+            return 2 * self.pp - 1 - rank
         return chunk * self.pp + rank
 
     def locate(self, stage: int) -> tuple[int, int]:
         """Inverse of :meth:`stage`: the ``(rank, chunk)`` holding virtual stage ``stage``."""
+        if not 0 <= stage < self.num_stages:
+            raise ValueError(f"stage {stage} out of range for {self.num_stages} virtual stages")
+        if self.placement == "v" and stage >= self.pp:
+            return 2 * self.pp - 1 - stage, 1
         return stage % self.pp, stage // self.pp
+
+    def stages_of(self, rank: int) -> tuple[int, ...]:
+        """The virtual stages ``rank`` holds, in local chunk order."""
+        return tuple(self.stage(rank, c) for c in range(self.vpp))
 
     @property
     def interleaved(self) -> bool:
@@ -101,6 +131,7 @@ class Schedule:
             microbatches=self.microbatches,
             ranks=tuple(tuple(a for a in r if a.op is Op.F) for r in self.ranks),
             group_size=self.group_size,
+            placement=self.placement,
         )
 
     def to_dict(self) -> dict:
