@@ -213,11 +213,11 @@ def dependencies(
 
     * ``F`` of stage s: ``F`` of stage s - 1 (the activation it receives);
     * ``B`` / ``I`` of stage s: its own ``F`` and the backward (``B`` or ``I``, whichever that
-      stage runs; ``backward_ops`` says, default ``B``) of stage s + 1 (the gradient it
-      receives);
+      stage runs for this microbatch) of stage s + 1 (the gradient it receives);
     * ``W``: its own ``I``. It receives and sends nothing.
 
     Stages come from the schedule's placement (:meth:`Schedule.stage` / :meth:`Schedule.locate`).
+    ``backward_ops`` is :func:`_backward_ops` of the schedule, computed when not given.
     """
     stage = schedule.stage(rank, action.chunk)
     deps: list[tuple[int, Action]] = []
@@ -231,7 +231,9 @@ def dependencies(
         deps.append((rank, Action(Op.F, action.mb, action.chunk)))
         if stage < schedule.num_stages - 1:
             src_rank, src_chunk = schedule.locate(stage + 1)
-            op = (backward_ops or {}).get((src_rank, action.mb, src_chunk), Op.B)
+            if backward_ops is None:  # callers in a loop pass it precomputed
+                backward_ops = _backward_ops(schedule)
+            op = backward_ops.get((src_rank, action.mb, src_chunk), Op.B)
             deps.append((src_rank, Action(op, action.mb, src_chunk)))
     return deps
 
