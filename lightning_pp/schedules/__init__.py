@@ -6,10 +6,13 @@ Example:
     >>> validate(s)
     >>> simulate(s).bubble_ratio
     0.1875
+    >>> round(simulate(build_schedule("zbv", pp=4, microbatches=8)).bubble_ratio, 4)
+    0.0625
 """
 
 from .actions import Action, Op, Schedule
 from .generators import (
+    DEFAULT_VPP,
     SCHEDULES,
     build_schedule,
     check_interleaved,
@@ -20,12 +23,16 @@ from .generators import (
     interleaved_table,
     interleaved_warmup,
     one_f_one_b,
+    zb_h1,
+    zbv,
 )
-from .render import render_gantt, render_grid
+from .render import OP_STYLE, render_gantt, render_grid
 from .simulate import Costs, SimResult, peak_inflight, simulate
 from .validate import ScheduleError, Timeline, check_structure, execute, format_grid, validate
 
 __all__ = [
+    "DEFAULT_VPP",
+    "OP_STYLE",
     "SCHEDULES",
     "Action",
     "Costs",
@@ -51,4 +58,6 @@ __all__ = [
     "render_grid",
     "simulate",
     "validate",
+    "zb_h1",
+    "zbv",
 ]

@@ -12,11 +12,27 @@ from enum import Enum
 
 
 class Op(str, Enum):
-    """Kind of compute step. ``W`` (weight-gradient half of a split backward) is reserved."""
+    """Kind of compute step.
+
+    * ``F``: forward of one microbatch through one chunk;
+    * ``B``: the fused backward (input gradient and weight gradients in one pass);
+    * ``I``: the input-gradient half of a split backward: the gradient the previous stage waits
+      for, and nothing else;
+    * ``W``: the weight-gradient half of an earlier ``I`` of the same microbatch and chunk on the
+      same rank. Nothing waits for it, which is why zero-bubble schedules use W's to fill bubbles.
+
+    A forward is paired with exactly one ``B``, or with one ``I`` and one ``W``.
+    """
 
     F = "F"
     B = "B"
+    I = "I"  # noqa: E741 - the paper's name for the input-gradient pass
     W = "W"
+
+    @property
+    def is_backward(self) -> bool:
+        """``B`` or ``I``: the step that consumes the next stage's gradient and sends its own."""
+        return self in (Op.B, Op.I)
 
     def __str__(self) -> str:
         return self.value
@@ -26,8 +42,8 @@ class Op(str, Enum):
 class Action:
     """One compute step of one rank: ``op`` on microbatch ``mb`` through local chunk ``chunk``.
 
-    ``chunk`` is the rank-local chunk index; the virtual stage it runs is ``chunk * pp + rank``
-    (see :meth:`Schedule.stage`).
+    ``chunk`` is the rank-local chunk index; the virtual stage it runs is given by the
+    schedule's placement (:meth:`Schedule.stage`).
 
     Example:
         >>> str(Action(Op.F, 3))
@@ -42,12 +58,12 @@ class Action:
 
     def short(self, show_chunk: bool = False) -> str:
         """Printable form used in grids and error messages: ``F3`` or, with chunks, ``F3.1``."""
-        base = f"{self.op.value}{self.mb}"
+        base = f"{str(self.op)}{self.mb}"  # str(): a malformed op still prints in errors
         return f"{base}.{self.chunk}" if show_chunk else base
 
     def describe(self) -> str:
         """Long form for error messages, e.g. ``B mb=5 chunk=1``."""
-        return f"{self.op.value} mb={self.mb} chunk={self.chunk}"
+        return f"{str(self.op)} mb={self.mb} chunk={self.chunk}"
 
     def __str__(self) -> str:
         return self.short(show_chunk=self.chunk != 0)
@@ -134,12 +150,18 @@ class Schedule:
             placement=self.placement,
         )
 
+    @property
+    def split_backward(self) -> bool:
+        """Whether any rank runs split backwards (``I`` / ``W`` steps)."""
+        return any(a.op in (Op.I, Op.W) for r in self.ranks for a in r)
+
     def to_dict(self) -> dict:
         return {
             "schedule": self.name,
             "pp": self.pp,
             "vpp": self.vpp,
             "microbatches": self.microbatches,
+            "placement": self.placement,
             "ranks": [[a.to_dict() for a in r] for r in self.ranks],
         }
 

@@ -1,4 +1,5 @@
-"""Schedule generators: GPipe, 1F1B and Megatron's interleaved 1F1B, as per-rank action lists.
+"""Schedule generators: GPipe, 1F1B, Megatron's interleaved 1F1B and the zero-bubble ZB-H1 and
+ZB-V, as per-rank action lists.
 
 Every generator returns a :class:`Schedule`; invalid shapes raise ``ValueError`` naming the
 numbers involved, before anything runs.
@@ -180,11 +181,154 @@ def interleaved(
     return Schedule("interleaved", pp, vpp, m, tuple(ranks), group_size=n)
 
 
+def zb_h1(pp: int, microbatches: int, vpp: int = 1) -> Schedule:
+    """ZB-H1, the handcrafted zero-bubble schedule of Qi et al., "Zero Bubble Pipeline
+    Parallelism" (ICLR 2024), Section 3.1 and Figure 3 (top).
+
+    The forwards and input gradients (``I``) run exactly 1F1B's order: rank r runs
+    ``min(pp - r - 1, m)`` warmup forwards, then forward ``warmup + k`` and ``I`` of microbatch
+    ``k`` for k = 0 .. m-1 (no forward once all m have run). The weight gradients (``W``) lag
+    the ``I``'s by ``r`` on rank r: ``W(k - r)`` follows ``I(k)``, and the last ``r`` W's close
+    the step. Why: the cooldown gradient chain from the last rank back to rank 0 now carries only
+    ``I``'s (each rank forwards the gradient as soon as its ``I`` is done), and the W's a rank
+    deferred fill the time it would otherwise wait for the next gradient. Rank 0 (no lag) keeps
+    1F1B's F-I-W rhythm and is never the one that waits for deferred work.
+
+    Cost: each rank idles ``(p - 1) * (t_f + t_i - t_w)`` instead of 1F1B's
+    ``(p - 1) * (t_f + t_b)`` (see docs/schedules.md for the exact conditions). Memory: the
+    microbatches whose ``I`` has not run are 1F1B's ``p - r``; counting until ``W`` (the saved
+    inputs W needs) every rank holds ``min(p, m)``, which is 1F1B's peak (rank 0's) on every rank.
+
+    Compared with torch's ``ScheduleInterleavedZeroBubble._calculate_single_rank_operations``
+    (torch 2.13, v=1, which delays W's by ``num_1f1b_microbatches = rank``): the same order
+    for ``v = 1``; written here from the paper's figure as one loop.
+
+    Example:
+        >>> s = zb_h1(2, 3)
+        >>> " ".join(str(a) for a in s.ranks[0])
+        'F0 F1 I0 W0 F2 I1 W1 I2 W2'
+        >>> " ".join(str(a) for a in s.ranks[1])
+        'F0 I0 F1 I1 W0 F2 I2 W1 W2'
+    """
+    check_positive(pp=pp, vpp=vpp, microbatches=microbatches)
+    if vpp != 1:
+        raise ValueError(
+            f"schedule 'zb-h1' runs one chunk per rank but vpp={vpp}; use schedule='zbv' for "
+            f"two chunks per rank (or set vpp=1)"
+        )
+    m = microbatches
+    ranks = []
+    for r in range(pp):
+        warmup = min(pp - r - 1, m)
+        order = [Action(Op.F, i) for i in range(warmup)]
+        for k in range(m):
+            if warmup + k < m:
+                order.append(Action(Op.F, warmup + k))
+            order.append(Action(Op.I, k))
+            if k >= r:
+                order.append(Action(Op.W, k - r))
+        order += [Action(Op.W, j) for j in range(max(m - r, 0), m)]
+        ranks.append(tuple(order))
+    return Schedule("zb-h1", pp, 1, m, tuple(ranks))
+
+
+def zbv(pp: int, microbatches: int, vpp: int = 2) -> Schedule:
+    """ZB-V of Qi et al., "Zero Bubble Pipeline Parallelism" (ICLR 2024), Section 6 and its
+    Figure 8: two chunks per rank in V placement (rank r holds virtual stages ``r`` and
+    ``2p - 1 - r``), so rank 0 holds both the first and the last stage.
+
+    Rank r, with chunk 0 the way down and chunk 1 the way back up (each step costs one unit
+    when t_f = t_i = t_w):
+
+    1. ``2(p - r) - 1`` forwards of chunk 0: microbatch 0 needs that long to go down the
+       remaining ranks and come back up to this rank's chunk 1;
+    2. ``r`` pairs (F chunk 1, F chunk 0): the first gradient is still on its way back;
+    3. ``p - r`` triples (F, I, W of chunk 1): chunk 1's gradients arrive one per triple;
+    4. steady: (F, I, W of chunk 0) then (F, I, W of chunk 1) until all forwards ran and
+       chunk 1 has caught up with chunk 0;
+    5. cooldown: ``r`` pairs (I chunk 0, I chunk 1), then ``p - r`` pairs (I chunk 0, W chunk
+       0): the I's forward the gradient at once, the W's fill the waits;
+    6. the remaining W's, chunk 1's first, then chunk 0's.
+
+    Every rank then holds at most ``2p`` microbatch-chunks until their ``W`` (``p`` stages'
+    worth, 1F1B's peak, on every rank).
+
+    The phases need ``m >= 2p - 1`` microbatches to fill the V. For fewer, the order for
+    ``2p - 1`` is built and the microbatches ``>= m`` are dropped from every rank: dependencies
+    never cross microbatches and each rank keeps its relative order, so the restriction of a
+    valid schedule is valid. Any ``m >= 1`` is accepted, and any ``pp >= 1``.
+
+    Compared with torch's ``ScheduleZBVZeroBubble._calculate_single_rank_operations``
+    (torch 2.13): the same phases, which torch also pads to ``2p - 1`` microbatches; written
+    here from the paper's figure.
+
+    Example:
+        >>> s = zbv(2, 4)
+        >>> s.placement, s.stages_of(0), s.stages_of(1)
+        ('v', (0, 3), (1, 2))
+        >>> " ".join(a.short(show_chunk=True) for a in s.ranks[1][:12])
+        'F0.0 F0.1 F1.0 F1.1 I0.1 W0.1 F2.0 I0.0 W0.0 F2.1 I1.1 W1.1'
+        >>> " ".join(a.short(show_chunk=True) for a in s.ranks[1][12:])
+        'F3.0 I1.0 W1.0 F3.1 I2.1 W2.1 I2.0 I3.1 I3.0 W2.0 W3.1 W3.0'
+    """
+    check_positive(pp=pp, vpp=vpp, microbatches=microbatches)
+    if vpp != 2:
+        raise ValueError(
+            f"schedule 'zbv' runs exactly 2 chunks per rank (V placement) but vpp={vpp}; "
+            f"use vpp=2 (build_schedule also accepts vpp unset or 1 for zbv)"
+        )
+    n = max(microbatches, 2 * pp - 1)
+    ranks = (tuple(a for a in _zbv_rank(pp, r, n) if a.mb < microbatches) for r in range(pp))
+    return Schedule("zbv", pp, 2, microbatches, tuple(ranks), placement="v")
+
+
+def _zbv_rank(p: int, r: int, n: int) -> list[Action]:
+    """Rank ``r``'s ZB-V order for ``n >= 2p - 1`` microbatches (phases as in :func:`zbv`)."""
+    steps: list[Action] = []
+    nxt = {op: [0, 0] for op in (Op.F, Op.I, Op.W)}  # next microbatch per (op, chunk)
+
+    def run(op: Op, c: int) -> None:
+        steps.append(Action(op, nxt[op][c], c))
+        nxt[op][c] += 1
+
+    f = nxt[Op.F]
+    for _ in range(2 * (p - r) - 1):
+        run(Op.F, 0)
+    for _ in range(r):
+        run(Op.F, 1)
+        run(Op.F, 0)
+    for _ in range(p - r):
+        for op in (Op.F, Op.I, Op.W):
+            run(op, 1)
+    while f[0] < n or f[1] < f[0]:
+        if f[0] < n:
+            run(Op.F, 0)
+        run(Op.I, 0)
+        run(Op.W, 0)
+        for op in (Op.F, Op.I, Op.W):
+            run(op, 1)
+    for _ in range(r):
+        run(Op.I, 0)
+        run(Op.I, 1)
+    for _ in range(p - r):
+        run(Op.I, 0)
+        run(Op.W, 0)
+    for c in (1, 0):
+        while nxt[Op.W][c] < n:
+            run(Op.W, c)
+    return steps
+
+
 SCHEDULES: dict[str, Callable[..., Schedule]] = {
     "gpipe": gpipe,
     "1f1b": one_f_one_b,
     "interleaved": interleaved,
+    "zb-h1": zb_h1,
+    "zbv": zbv,
 }
+
+#: chunks per rank a schedule runs when the caller leaves ``vpp`` unset
+DEFAULT_VPP: dict[str, int] = {"zbv": 2}
 
 
 def check_schedule_name(name: str) -> str:
@@ -197,16 +341,29 @@ def check_schedule_name(name: str) -> str:
 
 
 def build_schedule(
-    name: str, pp: int, microbatches: int, vpp: int = 1, group_size: int | None = None
+    name: str,
+    pp: int,
+    microbatches: int,
+    vpp: int | None = None,
+    group_size: int | None = None,
 ) -> Schedule:
     """Build a schedule by name.
+
+    ``vpp`` unset means the schedule's own chunk count: 2 for ``zbv``, else 1. ``zbv`` runs
+    exactly 2 chunks per rank; because every caller in the project (CLI, YAML, strategy)
+    defaults ``vpp`` to 1, ``vpp=1`` is read as "unset" for ``zbv`` too, and any other value is
+    an error. The returned ``schedule.vpp`` is what to partition by, not the argument.
 
     Example:
         >>> s = build_schedule("interleaved", pp=4, vpp=2, microbatches=8)
         >>> (s.pp, s.vpp, len(s.ranks[0]))
         (4, 2, 32)
+        >>> build_schedule("zbv", pp=4, microbatches=8, vpp=1).vpp
+        2
     """
     check_schedule_name(name)
+    if vpp is None or (vpp == 1 and name in DEFAULT_VPP):
+        vpp = DEFAULT_VPP.get(name, 1)
     if name == "interleaved":
         return interleaved(pp, microbatches, vpp=vpp, group_size=group_size)
     if group_size is not None:

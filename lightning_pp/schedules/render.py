@@ -32,10 +32,11 @@ def render_grid(
     """Seed-style text grid: one row per rank, time flowing right.
 
     Each cell is one time unit (the shortest step's duration): a step prints its label (``F3``,
-    or ``F3.1`` with the chunk when ``vpp > 1``) in its first cell and ``--`` in the cells it
-    continues over; ``.`` is idle. At the default costs (t_b = 2·t_f) a backward spans two
-    cells. Times that are not multiples of the unit (custom costs, latency) are rounded to the
-    nearest cell. ``metrics`` appends the bubble ratio, makespan and peak in-flight lines.
+    ``B3``, ``I3``, ``W3``, or ``F3.1`` with the chunk when ``vpp > 1``) in its first cell and
+    ``--`` in the cells it continues over; ``.`` is idle. At the default costs (t_b = 2·t_f,
+    t_i = t_w = t_f) a fused backward spans two cells and ``I`` / ``W`` one each. Times that
+    are not multiples of the unit (custom costs, latency) are rounded to the nearest cell.
+    ``metrics`` appends the bubble ratio, makespan and peak in-flight lines.
 
     Example:
         >>> from lightning_pp.schedules import build_schedule
@@ -68,12 +69,25 @@ def metric_lines(result: SimResult) -> list[str]:
     c = result.costs
     per = "per stage, each chunk t/vpp" if result.schedule.vpp > 1 else "per stage"
     latency = f", latency={c.latency:g}" if c.latency else ""
+    backward = (
+        f"t_i={c.t_i:g}, t_w={c.t_w:g}" if result.schedule.split_backward else f"t_b={c.t_b:g}"
+    )
     return [
         f"bubble ratio:   {result.bubble_ratio:.4f}  "
         f"(idle {result.total_idle:g} / compute {result.total_compute:g})",
-        f"makespan:       {result.makespan:g}  (t_f={c.t_f:g}, t_b={c.t_b:g} {per}{latency})",
+        f"makespan:       {result.makespan:g}  (t_f={c.t_f:g}, {backward} {per}{latency})",
         "peak in-flight: " + " ".join(f"r{r}={n}" for r, n in enumerate(result.peak_inflight)),
     ]
+
+
+#: How each op is drawn in the Gantt chart: (alpha, hatch, hatch/edge colour, legend label).
+#: The fill stays the microbatch's colour; the hatch and its colour tell the op apart.
+OP_STYLE: dict[Op, tuple[float, str | None, str, str]] = {
+    Op.F: (1.0, None, "black", "forward (F)"),
+    Op.B: (0.55, "//", "black", "backward (B)"),
+    Op.I: (0.55, "\\\\", "tab:blue", "input grad (I)"),
+    Op.W: (0.35, "xx", "tab:red", "weight grad (W)"),
+}
 
 
 def render_gantt(
@@ -86,9 +100,11 @@ def render_gantt(
     """Write a PNG Gantt chart of a per-rank timeline ``[[(action, start, end), ...], ...]``.
 
     One row per rank (rank 0 on top), one bar per step, coloured by microbatch; forwards are
-    solid, backwards lighter and hatched; each bar is labelled (``F3`` or ``F3.1`` with the
-    chunk) when it is wide enough. The timeline may come from :func:`simulate` or be measured.
-    Needs matplotlib (``pip install 'lightning-pp[plot]'``).
+    solid, fused backwards lighter and hatched in black, input-gradient steps (``I``) hatched
+    the other way in blue, weight-gradient steps (``W``) palest and cross-hatched in red
+    (:data:`OP_STYLE`); the legend lists the ops present. Each bar is labelled (``F3`` or
+    ``F3.1`` with the chunk) when it is wide enough. The timeline may come from
+    :func:`simulate` or be measured. Needs matplotlib (``pip install 'lightning-pp[plot]'``).
 
     Example:
         >>> from lightning_pp.schedules import build_schedule, simulate
@@ -128,16 +144,16 @@ def render_gantt(
     for r, row in enumerate(timeline):
         y = n_ranks - 1 - r
         for a, start, end in row:
-            is_f = a.op is Op.F
+            alpha, hatch, edge, _ = OP_STYLE[a.op]
             ax.barh(
                 y,
                 end - start,
                 left=start - t0,
                 height=0.8,
                 color=colour[a.mb],
-                alpha=1.0 if is_f else 0.55,
-                hatch=None if is_f else "//",
-                edgecolor="black",
+                alpha=alpha,
+                hatch=hatch,
+                edgecolor=edge,
                 linewidth=0.5,
             )
             label = a.short(show_chunk)
@@ -157,9 +173,11 @@ def render_gantt(
     ax.set_xlabel(time_label)
     if title:
         ax.set_title(title)
+    present = {a.op for a, _, _ in steps} | {Op.F}
     legend = [
-        Patch(facecolor="lightgray", edgecolor="black", label="forward"),
-        Patch(facecolor="lightgray", edgecolor="black", hatch="//", alpha=0.55, label="backward"),
+        Patch(facecolor="lightgray", edgecolor=edge, hatch=hatch, alpha=alpha, label=label)
+        for op, (alpha, hatch, edge, label) in OP_STYLE.items()
+        if op in present or (op is Op.B and present == {Op.F})
     ]
     ax.legend(handles=legend, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
     ax.grid(axis="x", alpha=0.3)

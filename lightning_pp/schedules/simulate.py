@@ -18,40 +18,73 @@ from .validate import Timeline, execute
 class Costs:
     """Cost model of one pipeline step.
 
-    ``t_f`` / ``t_b`` are the forward / backward times of a rank's *whole* share of the model
-    (all its chunks). With ``vpp`` chunks per rank each chunk costs ``t_f / vpp`` and
-    ``t_b / vpp``, so interleaving changes the order, not the total work. ``overrides`` sets the
-    absolute per-chunk ``(t_f, t_b)`` of chosen ``(rank, chunk)`` pairs (an uneven partition).
-    ``latency`` is added on every dependency that crosses ranks (a send/receive).
+    ``t_f`` / ``t_b`` are the forward / fused-backward times of a rank's *whole* share of the
+    model (all its chunks). A split backward costs ``t_i`` (input gradient, ``I``) and ``t_w``
+    (weight gradients, ``W``); both default to half of ``t_b`` (give one and the other is the rest
+    of ``t_b``; give both and they are used as given, while a fused ``B`` still costs ``t_b``).
+    With ``vpp`` chunks per rank each chunk costs ``t / vpp``, so interleaving changes the order,
+    not the total work. ``overrides`` sets the absolute per-chunk costs of chosen
+    ``(rank, chunk)`` pairs (an uneven partition): ``(t_f, t_b)``, whose ``I`` / ``W`` then cost
+    half of that ``t_b`` each, or ``(t_f, t_b, t_i, t_w)``. ``latency`` is added on every
+    dependency that crosses ranks (a send/receive).
 
     Example:
         >>> from lightning_pp.schedules import build_schedule, simulate
         >>> simulate(build_schedule("1f1b", pp=4, microbatches=8), Costs(t_f=1, t_b=2)).makespan
         33.0
+        >>> Costs(t_b=3.0, t_i=2.0).t_w
+        1.0
     """
 
     t_f: float = 1.0
     t_b: float = 2.0
-    overrides: Mapping[tuple[int, int], tuple[float, float]] = field(default_factory=dict)
+    overrides: Mapping[tuple[int, int], tuple[float, ...]] = field(default_factory=dict)
     latency: float = 0.0
+    t_i: float | None = None
+    t_w: float | None = None
 
     def __post_init__(self) -> None:
-        values = {"t_f": self.t_f, "t_b": self.t_b, "latency": self.latency}
-        for key, (tf, tb) in self.overrides.items():
-            values[f"overrides[{key}]"] = min(tf, tb)
+        # Resolve the split first so that every field reads as a number afterwards.
+        t_i = self.t_b / 2 if self.t_i is None and self.t_w is None else self.t_i
+        t_w = self.t_w
+        if t_i is None:
+            t_i = self.t_b - float(t_w or 0.0)
+        if t_w is None:
+            t_w = self.t_b - t_i
+        object.__setattr__(self, "t_i", float(t_i))
+        object.__setattr__(self, "t_w", float(t_w))
+        values = {"t_f": self.t_f, "t_b": self.t_b, "t_i": t_i, "t_w": t_w, "latency": self.latency}
+        for key, costs in self.overrides.items():
+            if len(costs) not in (2, 4):
+                raise ValueError(
+                    f"cost overrides[{key}] must be (t_f, t_b) or (t_f, t_b, t_i, t_w), "
+                    f"got {costs!r}"
+                )
+            values[f"overrides[{key}]"] = min(costs)
         for name, value in values.items():
             if not value >= 0:  # also rejects NaN
-                raise ValueError(f"cost {name} must be >= 0, got {value!r}")
+                hint = " (t_i or t_w larger than t_b? give both)" if name in ("t_i", "t_w") else ""
+                raise ValueError(f"cost {name} must be >= 0, got {value!r}{hint}")
         if self.t_f + self.t_b <= 0:
             raise ValueError(f"t_f + t_b must be > 0, got t_f={self.t_f}, t_b={self.t_b}")
 
+    def chunk_costs(self, schedule: Schedule, rank: int, chunk: int) -> dict[Op, float]:
+        """Per-op cost of one step of ``chunk`` on ``rank``: ``{F, B, I, W}`` -> seconds."""
+        costs = self.overrides.get((rank, chunk))
+        if costs is None:
+            v = schedule.vpp
+            tf, tb = self.t_f / v, self.t_b / v
+            ti, tw = float(self.t_i or 0.0) / v, float(self.t_w or 0.0) / v  # floats by now
+        elif len(costs) == 4:
+            tf, tb, ti, tw = costs
+        else:
+            tf, tb = costs
+            ti = tw = tb / 2
+        return {Op.F: float(tf), Op.B: float(tb), Op.I: float(ti), Op.W: float(tw)}
+
     def duration(self, schedule: Schedule, rank: int, action: Action) -> float:
         """Time ``action`` takes on ``rank`` under this cost model."""
-        if (rank, action.chunk) in self.overrides:
-            tf, tb = self.overrides[(rank, action.chunk)]
-        else:
-            tf, tb = self.t_f / schedule.vpp, self.t_b / schedule.vpp
-        return float(tf if action.op is Op.F else tb)
+        return self.chunk_costs(schedule, rank, action.chunk)[action.op]
 
 
 @dataclass(frozen=True)
@@ -61,7 +94,8 @@ class SimResult:
     ``bubble_ratio`` is total idle / total compute over all ranks, where a rank's idle time is
     ``makespan - busy``: (p-1)/m for GPipe and 1F1B, (p-1)/(v·m) for interleaved (m a multiple
     of p) at uniform costs. ``peak_inflight[r]`` is the largest number of microbatch-chunks whose
-    forward ran on rank r and whose backward has not: the activations it must hold at once.
+    forward ran on rank r and whose backward has not completed (a split backward completes at its
+    ``W``): the activations it must hold at once (see :func:`peak_inflight`).
     """
 
     schedule: Schedule
@@ -82,16 +116,32 @@ class SimResult:
         return sum(self.idle)
 
 
-def peak_inflight(schedule: Schedule) -> list[int]:
+def peak_inflight(schedule: Schedule, until: Op = Op.W) -> list[int]:
     """Per rank, the most microbatch-chunks forwarded but not yet backwarded at any moment.
 
+    A fused ``B`` ends a microbatch-chunk's life. With a split backward it lives until its
+    ``W`` by default (``until=Op.W``): the weight gradients need the stage's saved inputs, so
+    the activation memory is not released at the ``I``. This is the bound the engine's memory
+    must respect. ``until=Op.I`` counts only up to the ``I`` instead: the microbatches that still
+    hold their *whole* forward graph (what the zero-bubble paper calls in-flight; for ``zb-h1``
+    it equals 1F1B's ``p - r``).
+
     It only changes at the rank's own steps, so it follows from the order alone, not the timing.
+
+    Example:
+        >>> from lightning_pp.schedules import build_schedule
+        >>> s = build_schedule("zb-h1", pp=4, microbatches=8)
+        >>> peak_inflight(s), peak_inflight(s, until=Op.I)
+        ([4, 4, 4, 4], [4, 3, 2, 1])
     """
+    if until not in (Op.I, Op.W):
+        raise ValueError(f"until must be Op.I or Op.W, got {until!r}")
+    ends = {Op.B, until}
     peaks = []
     for actions in schedule.ranks:
         live = peak = 0
         for a in actions:
-            live += 1 if a.op is Op.F else -1 if a.op is Op.B else 0
+            live += 1 if a.op is Op.F else -1 if a.op in ends else 0
             peak = max(peak, live)
         peaks.append(peak)
     return peaks
@@ -100,7 +150,8 @@ def peak_inflight(schedule: Schedule) -> list[int]:
 def simulate(
     schedule: Schedule, costs: Costs | None = None, start: Sequence[float] | None = None
 ) -> SimResult:
-    """Time ``schedule`` under ``costs`` (default :class:`Costs`: t_f=1, t_b=2, no latency).
+    """Time ``schedule`` under ``costs`` (default :class:`Costs`: t_f=1, t_b=2 (t_i=t_w=1), no
+    latency).
 
     ``start[r]``: when rank r may begin (default 0 for all); times, ``makespan`` and ``idle``
     count from 0, so a late start is idle time of that rank.
