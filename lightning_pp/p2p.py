@@ -430,7 +430,10 @@ class P2PCommunicator:
 
     def may_post_ahead(self, req: RecvRequest) -> bool:
         """Whether ``req`` may be posted now, ahead of its channel's receives still waiting for
-        a header: only another header receive may (it goes to the header channel, in order)."""
+        a header: only another header receive may (it goes to the header channel, in order).
+        An in-process hand-over (the turn of a V placement) exists only once it was produced."""
+        if req.peer == self.topology.rank:
+            return bool(self._local.get((req.kind, req.stage, req.mb)))
         if req.kind != ACT or not self._awaiting_header.get(req.stage):
             return True
         return not (self.static_shapes and (req.stage, req.mb) in self._agreed)
@@ -488,7 +491,7 @@ class P2PCommunicator:
 
     def _add_send(self, batch: _OpBatch, msg: Message, sent: PendingSend) -> None:
         tensors = tuple(t.detach().contiguous() for t in msg.tensors)
-        if msg.peer == self.topology.rank:  # pp == 1: the next stage is a local chunk
+        if msg.peer == self.topology.rank:  # a local chunk's stage (pp == 1, a V's turn)
             key = (msg.kind, msg.stage, msg.mb)
             self._local.setdefault(key, deque()).append((msg.is_tuple, tensors))
             return
