@@ -188,7 +188,6 @@ class PipelineEngine:
         self.release_outputs = release_outputs
         self.on_chunk_grads_ready = on_chunk_grads_ready
         self.measure_memory = measure_memory
-        self.check_finite = check_finite
         self._steps = 0
         # Where each local chunk sits, from the schedule's placement (eval's forward-only
         # schedule keeps it); the step loss comes from the rank holding the last stage.
@@ -235,6 +234,10 @@ class PipelineEngine:
                 backend = "gloo"
             return 1 if backend == "nccl" else GLOO_RECV_LOOKAHEAD
         return lookahead
+
+    @property
+    def check_finite(self) -> bool:
+        return self.finite_checker is not None
 
     @property
     def pp(self) -> int:
@@ -314,7 +317,8 @@ class PipelineEngine:
                 # happens to run. A process that carried on after failures stalled in unrelated
                 # places (the fault suite's 36 failures in one world took 84-103 s instead of
                 # 13-31 s). Keeping them for the process's lifetime costs only their buffers.
-                _ABANDONED.append((step.window, step.sends))
+                # Only the transfers: the step's stash and batch may go.
+                _ABANDONED.append((step.window.outstanding(), step.sends))
         leftover = step.stash.inflight
         if leftover:
             raise PipelineStepError(

@@ -625,6 +625,10 @@ class ReceiveWindow:
         self._upto = j - 1
         return sent
 
+    def outstanding(self) -> list[PendingRecv]:
+        """Every receive posted and not yet consumed (a failed step's leftovers)."""
+        return self.current + [p for posted in self._posted.values() for p in posted]
+
     def wait(self, index: int) -> tuple[list[PendingRecv], float]:
         """Block until every receive of action ``index`` has arrived; returns them (``tensors``
         holds the data) and the seconds spent blocked."""
