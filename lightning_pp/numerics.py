@@ -36,7 +36,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from .schedules import Action
+
 __all__ = [
+    "FiniteChecker",
     "NonFiniteError",
     "all_finite",
     "describe_nonfinite",
@@ -98,11 +101,83 @@ def first_nonfinite_layer(chunk: nn.Module, x: Any) -> tuple[int, str] | None:
 
 def nonfinite_param_grads(chunk: nn.Module, limit: int = 5) -> list[str]:
     """Names (with shapes) of ``chunk``'s parameters whose gradient holds NaN or inf."""
-    named = [(n, p) for n, p in chunk.named_parameters() if p.grad is not None]
+    named = [(n, p, p.grad) for n, p in chunk.named_parameters() if p.grad is not None]
     if not named:
         return []
-    flags = torch.stack([torch.isfinite(p.grad).all() for _, p in named])
+    flags = torch.stack([torch.isfinite(g).all() for _, _, g in named])
     if bool(flags.all().item()):
         return []
-    bad = [f"{n} {tuple(p.shape)}" for (n, p), ok in zip(named, flags.tolist()) if not ok]
+    bad = [f"{n} {tuple(p.shape)}" for (n, p, _), ok in zip(named, flags.tolist()) if not ok]
     return bad[:limit] + ([f"... {len(bad) - limit} more"] if len(bad) > limit else [])
+
+
+class FiniteChecker:
+    """The engine's checks for one rank: each raises :class:`NonFiniteError` naming the
+    microbatch, virtual stage, rank, chunk and layers where NaN/inf appeared.
+
+    Args:
+        chunks: this rank's local chunks (their ``layer_indices``, if any, name the layers).
+        stages: the virtual stage of each local chunk (``Schedule.stages_of(pp_rank)``).
+        rank: this rank's global rank.
+
+    Example::
+
+        check = FiniteChecker(chunks, schedule.stages_of(topo.pp_rank), topo.rank)
+        out = chunks[action.chunk](x)
+        check.forward_output(action, out, x)   # raises if out holds NaN/inf
+    """
+
+    def __init__(self, chunks: Sequence[nn.Module], stages: Sequence[int], rank: int) -> None:
+        self.chunks = list(chunks)
+        self.stages = list(stages)
+        self.rank = rank
+
+    def where(self, chunk: int) -> str:
+        idx = getattr(self.chunks[chunk], "layer_indices", None)
+        layers = f", layers {idx[0]}-{idx[-1]}" if idx else ""
+        return f"virtual stage {self.stages[chunk]} (rank {self.rank}, chunk {chunk}{layers})"
+
+    def batch_input(self, action: Action, x: Any) -> None:
+        """The first stage's input, straight from the batch."""
+        if not all_finite(_as_list(x)):
+            self._raise(action, "input (the batch itself)", _as_list(x), None)
+
+    def forward_output(self, action: Action, out: Any, x: Any) -> None:
+        """A chunk's output; on failure the chunk re-runs on ``x`` layer by layer to name the
+        first layer whose output is non-finite."""
+        if not all_finite(_as_list(out)):
+            self._raise(action, "forward output", _as_list(out), x)
+
+    def loss(self, action: Action, loss: torch.Tensor) -> None:
+        if not all_finite([loss]):
+            self._raise(action, "loss (the model output is finite)", [loss], None)
+
+    def input_grads(self, action: Action, grads: Sequence[torch.Tensor]) -> None:
+        """The gradients a backward is about to send upstream."""
+        if not all_finite(grads):
+            self._raise(action, "input gradient (the gradient it received was finite)", grads, None)
+
+    def param_grads(self, action: Action) -> None:
+        """Every parameter gradient of ``action``'s chunk (after its last backward of a step)."""
+        bad = nonfinite_param_grads(self.chunks[action.chunk])
+        if bad:
+            raise NonFiniteError(
+                f"non-finite parameter gradients at {self.where(action.chunk)} after its last "
+                f"backward of the step (inputs and received gradients were finite): "
+                + ", ".join(bad)
+            )
+
+    def _raise(self, action: Action, what: str, tensors: Sequence[Any], x: Any) -> None:
+        detail = describe_nonfinite(tensors) or "non-finite values"
+        located = ""
+        if x is not None:
+            found = first_nonfinite_layer(self.chunks[action.chunk], x)
+            located = (
+                f"; first non-finite layer output: layer {found[0]} ({found[1]})"
+                if found
+                else "; re-running the chunk layer by layer gave finite outputs (a random layer "
+                "such as dropout?)"
+            )
+        raise NonFiniteError(
+            f"non-finite {what} of mb={action.mb} at {self.where(action.chunk)}: {detail}{located}"
+        )

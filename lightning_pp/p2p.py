@@ -6,6 +6,11 @@ produced and the receives of upcoming steps (at least the NEXT one; the engine's
 ``send_forward_recv_backward`` pairing), so two neighbours that send to each other at the same
 time never deadlock on ordering.
 
+The engine talks to it through a per-step :class:`ReceiveWindow`: "send these messages, and post
+the receives of the next k actions" (:meth:`ReceiveWindow.exchange`), then "give me what action i
+received" (:meth:`ReceiveWindow.wait`). What an action receives is the engine's knowledge; when a
+receive may go out (the header protocol below) is the communicator's alone.
+
 Messages carry an activation (a tensor or a tuple of tensors) forward, or the gradients of an
 activation's floating-point tensors backward.
 
@@ -23,6 +28,11 @@ the receiver stashed):
   directly in the paired batch, and the SENDER checks every later activation against the agreed
   shapes and raises (naming both ranks, the microbatch and both shapes) if they changed.
 
+Each receiving stage's activations form one channel, received in order: header, then data.
+While a header is outstanding its data receive is not posted yet, so no later DATA receive of
+that channel may go out ahead of it (:meth:`P2PCommunicator.may_post_ahead`); a later header
+receive may, since headers have their own tag.
+
 Tags separate channels on gloo: ``tag = ((stage * 2 + kind) * 2 + is_header)`` where ``stage``
 is the receiving virtual stage. NCCL ignores tags and matches messages between a pair of ranks
 in posting order; that holds here because each side posts a channel's messages in schedule
@@ -37,19 +47,19 @@ Example (on every rank of an initialized pipeline group)::
         [Message(ACT, topo.next_rank, stage=1, mb=0, tensors=(h,), is_tuple=False)],
         [RecvRequest(GRAD, topo.next_rank, stage=0, mb=0, specs=[(h.shape, h.dtype)])],
     )
-    (grad,) = recvs[0].wait()
+    (grad,) = comm.receive(recvs[0])
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed import Work
 
 from .failure import FailureMonitor
 from .topology import PipelineTopology
@@ -61,7 +71,9 @@ __all__ = [
     "P2PCommunicator",
     "PendingRecv",
     "PendingSend",
+    "ReceiveWindow",
     "RecvRequest",
+    "SendQueue",
     "Spec",
     "format_specs",
 ]
@@ -136,20 +148,22 @@ class Message:
 
 @dataclass
 class RecvRequest:
-    """One expected incoming message. ``specs`` is required for gradients (known shapes)."""
+    """One expected incoming message. ``specs`` is required for gradients (known shapes).
+    ``chunk``: the receiving local chunk, named in hang and abort messages."""
 
     kind: int
     peer: int
     stage: int
     mb: int
     specs: list[Spec] | None = None
+    chunk: int | None = None
 
 
 @dataclass
 class PendingSend:
     """Posted sends; holds the send buffers alive until the works complete."""
 
-    works: list[Any]
+    works: list[Work]
     buffers: list[torch.Tensor]
     monitor: FailureMonitor | None = None
     peers: list[int] = field(default_factory=list)
@@ -185,47 +199,92 @@ class PendingSend:
         self.works, self.buffers = [], []
 
 
+class SendQueue:
+    """One step's sends not yet known to be complete, oldest first, and the bytes they hold.
+
+    Example::
+
+        sends = SendQueue()
+        sends.add(pending_send)
+        sends.reap()   # drop the completed ones at the head
+        sends.wait()   # end of step: wait for all of them
+    """
+
+    def __init__(self) -> None:
+        self._queue: deque[PendingSend] = deque()
+        self.nbytes = 0  # a running total: re-summing per action would be O(n^2) per step
+
+    def add(self, sent: PendingSend) -> None:
+        if sent.works:
+            self._queue.append(sent)
+            self.nbytes += sent.nbytes
+
+    def reap(self) -> None:
+        """Forget the sends known complete (they complete in order: NCCL; gloo: at wait)."""
+        while self._queue and self._queue[0].done():
+            self.nbytes -= self._queue.popleft().nbytes
+
+    def wait(self) -> None:
+        if self._queue:
+            PendingSend.combine(self._queue).wait()
+
+
 @dataclass
 class PendingRecv:
-    """A posted receive; :meth:`wait` returns the tensors (blocking until they arrived)."""
+    """A posted receive. :meth:`P2PCommunicator.receive` waits for it; ``tensors`` then holds
+    what arrived. An activation whose shape is not agreed yet holds its ``header`` receive
+    until then (its data receive goes out once the header is in)."""
 
     request: RecvRequest
-    comm: P2PCommunicator
     header: torch.Tensor | None = None
-    header_works: list[Any] = field(default_factory=list)
+    header_works: list[Work] = field(default_factory=list)
     buffers: list[torch.Tensor] = field(default_factory=list)
-    works: list[Any] = field(default_factory=list)
+    works: list[Work] = field(default_factory=list)
     is_tuple: bool = True
-    local: tuple[torch.Tensor, ...] | None = None
     waited: float = 0.0
     header_mark: torch.Tensor | None = None
     marks: list[torch.Tensor | None] = field(default_factory=list)
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return tuple(self.buffers)
 
     @property
     def specs(self) -> list[Spec]:
         return specs_of(self.buffers)
 
     def describe(self, header: bool = False) -> str:
-        """``waiting for activation of mb=5 chunk=1 from rank 1`` (for hang/abort messages)."""
+        """``waiting for activation of mb=5 chunk=1 (stage 5) from rank 1`` (hang/abort text)."""
         req = self.request
-        pp = self.comm.topology.pp
-        what = f"{_KIND[req.kind]} of mb={req.mb} chunk={req.stage // pp} (stage {req.stage})"
+        chunk = f" chunk={req.chunk}" if req.chunk is not None else ""
+        what = f"{_KIND[req.kind]} of mb={req.mb}{chunk} (stage {req.stage})"
         if header:
             what = f"the shape header of the {what}"
         return f"waiting for {what} from rank {req.peer}"
 
-    def wait(self) -> tuple[torch.Tensor, ...]:
-        t0 = time.perf_counter()
-        try:
-            if self.local is not None:
-                return self.local
-            if self.header is not None:
-                self.comm._wait(self.header_works, self, True)
-                self.comm._on_header(self)
-            self.comm._wait(self.works, self, False)
-            return tuple(self.buffers)
-        finally:
-            self.waited += time.perf_counter() - t0
+
+class _OpBatch:
+    """One ``batch_isend_irecv`` call being built: its ops and, per op, the list its work goes
+    to (a :class:`PendingSend`'s, or a receive's header or data works)."""
+
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        self.group = group
+        self.ops: list[dist.P2POp] = []
+        self._sinks: list[list[Work]] = []
+
+    def add(
+        self, op: Callable, tensor: torch.Tensor, peer: int, tag: int, sink: list[Work]
+    ) -> None:
+        self.ops.append(dist.P2POp(op, tensor, peer, self.group, tag))
+        self._sinks.append(sink)
+
+    def assign(self, works: list[Work]) -> None:
+        if len(works) == len(self.ops):
+            for sink, work in zip(self._sinks, works):
+                sink.append(work)
+        else:  # coalesced backends (NCCL) return one work for the whole batch
+            for sink in self._sinks:
+                sink += works
 
 
 class P2PCommunicator:
@@ -244,7 +303,7 @@ class P2PCommunicator:
     def __init__(
         self,
         topology: PipelineTopology,
-        group: Any,
+        group: dist.ProcessGroup | None,
         *,
         device: torch.device | str = "cpu",
         static_shapes: bool = False,
@@ -262,11 +321,10 @@ class P2PCommunicator:
             monitor is not None and not monitor.poll_works and self.device.type == "cpu"
         )
         self._agreed: dict[tuple[int, int], tuple[bool, list[Spec]]] = {}
-        # Activation receives of each stage still waiting for their header: their data receive
-        # is posted only when the header arrives, so no later data receive of that stage may be
-        # posted before then (one channel's receives must be posted in message order).
+        # Per receiving stage, the activation receives still waiting for their header (the
+        # channel's queue: their data receives are posted as the headers arrive).
         self._awaiting_header: dict[int, int] = {}
-        self._local: dict[tuple[int, int, int], deque] = {}
+        self._local: dict[tuple[int, int, int], deque[tuple[bool, tuple[torch.Tensor, ...]]]] = {}
         if topology.pp > 1:
             if group is None:
                 raise ValueError(f"pp={topology.pp} needs a pp process group, got None")
@@ -282,9 +340,8 @@ class P2PCommunicator:
                 min_timeout=SETUP_RENDEZVOUS_TIMEOUT,
             )
 
-    def _wait(
-        self, works: Sequence[Any], what: Any, header: bool = False, min_timeout: float = 0.0
-    ) -> None:
+    # -- blocking ----------------------------------------------------------------------------
+    def _wait(self, works: Sequence[Work], what: str, min_timeout: float = 0.0) -> None:
         """Block on ``works`` through the monitor (abortable, watched) when there is one."""
         if not works:
             return
@@ -292,17 +349,42 @@ class P2PCommunicator:
             for w in works:
                 w.wait()
             return
-        if isinstance(what, PendingRecv):
-            pending, peer = what, what.request.peer
-            marks = [pending.header_mark] if header else pending.marks
-            self.monitor.wait(
-                works,
-                lambda: pending.describe(header),
-                peer=peer,
-                landed=(lambda: _landed(marks)) if self._mark_landing else None,
-            )
-        else:
-            self.monitor.wait(works, what, min_timeout=min_timeout)
+        self.monitor.wait(works, what, min_timeout=min_timeout)
+
+    def _wait_recv(self, pending: PendingRecv, header: bool) -> None:
+        works = pending.header_works if header else pending.works
+        if not works:
+            return
+        if self.monitor is None:
+            for w in works:
+                w.wait()
+            return
+        marks = [pending.header_mark] if header else pending.marks
+        self.monitor.wait(
+            works,
+            lambda: pending.describe(header),
+            peer=pending.request.peer,
+            landed=(lambda: _landed(marks)) if self._mark_landing else None,
+        )
+
+    def receive(self, pending: PendingRecv) -> tuple[torch.Tensor, ...]:
+        """Block until ``pending`` has arrived (an activation still waiting for its header: the
+        header, then the data) and return its tensors; the time blocked adds to ``waited``."""
+        t0 = time.perf_counter()
+        try:
+            if pending.header is not None:
+                self._wait_recv(pending, header=True)
+                self._post_data(pending)
+            self._wait_recv(pending, header=False)
+            return pending.tensors
+        finally:
+            pending.waited += time.perf_counter() - t0
+
+    def broadcast(self, tensor: torch.Tensor, src: int, what: str) -> None:
+        """Broadcast ``tensor`` from global rank ``src`` over the pp group, in place (watched
+        like every other wait; ``what`` describes it in hang and abort messages)."""
+        work = dist.broadcast(tensor, src=src, group=self.group, async_op=True)
+        self._wait([work] if work is not None else [], what)
 
     # -- tags and headers ------------------------------------------------------------------
     @staticmethod
@@ -338,18 +420,22 @@ class P2PCommunicator:
                 f"{req.stage} from rank {req.peer} but received mb={words[1]}: the two ranks run "
                 f"inconsistent schedules"
             )
-        is_tuple, n, pos, specs = bool(words[2]), words[3], 4, []
+        is_tuple, n, pos = bool(words[2]), words[3], 4
+        specs: list[Spec] = []
         for _ in range(n):
             code, ndim = words[pos], words[pos + 1]
             specs.append((tuple(words[pos + 2 : pos + 2 + ndim]), _DTYPES[code]))
             pos += 2 + ndim
         return is_tuple, specs
 
-    def can_post_early(self, req: RecvRequest) -> bool:
-        """Whether ``req`` may be posted now, ahead of receives still waiting for a header."""
+    def may_post_ahead(self, req: RecvRequest) -> bool:
+        """Whether ``req`` may be posted now, ahead of its channel's receives still waiting for
+        a header: only another header receive may (it goes to the header channel, in order).
+        An in-process hand-over (the turn of a V placement) exists only once it was produced."""
+        if req.peer == self.topology.rank:
+            return bool(self._local.get((req.kind, req.stage, req.mb)))
         if req.kind != ACT or not self._awaiting_header.get(req.stage):
             return True
-        # Only another header receive is safe: it goes to the header channel, in order.
         return not (self.static_shapes and (req.stage, req.mb) in self._agreed)
 
     def _recv_buffers(
@@ -359,22 +445,22 @@ class P2PCommunicator:
         buffers = [torch.empty(s, dtype=d, device=self.device) for s, d in specs]
         return buffers, [_arm(b) for b in buffers] if self._mark_landing else []
 
-    def _on_header(self, pending: PendingRecv) -> None:
+    def _post_data(self, pending: PendingRecv) -> None:
+        """``pending``'s header has arrived: size its buffers and post its data receive."""
         req = pending.request
+        assert pending.header is not None
         self._awaiting_header[req.stage] -= 1
-        is_tuple, specs = self._decode(pending.header, req)  # type: ignore[arg-type]
+        is_tuple, specs = self._decode(pending.header, req)
         if self.static_shapes:
             self._agreed[(req.stage, req.mb)] = (is_tuple, specs)
         pending.is_tuple = is_tuple
         pending.header = None
         pending.buffers, pending.marks = self._recv_buffers(specs)
-        ops = [
-            dist.P2POp(dist.irecv, b, req.peer, self.group, self.tag(req.kind, req.stage, False))
-            for b in pending.buffers
-        ]
+        tag = self.tag(req.kind, req.stage, False)
+        ops = [dist.P2POp(dist.irecv, b, req.peer, self.group, tag) for b in pending.buffers]
         pending.works = self._post(ops, pending.describe())
 
-    def _post(self, ops: list[dist.P2POp], what: str) -> list[Any]:
+    def _post(self, ops: list[dist.P2POp], what: str) -> list[Work]:
         """``batch_isend_irecv``; a failure caused by a peer that already aborted says so."""
         if not ops:
             return []
@@ -385,7 +471,7 @@ class P2PCommunicator:
                 self.monitor.raise_if_aborted(what)
             raise
 
-    # -- the one entry point ----------------------------------------------------------------
+    # -- posting -----------------------------------------------------------------------------
     def exchange(
         self, sends: Sequence[Message], recvs: Sequence[RecvRequest]
     ) -> tuple[PendingSend, list[PendingRecv]]:
@@ -395,119 +481,158 @@ class P2PCommunicator:
         alive) and one :class:`PendingRecv` per request, in order. Nothing here blocks.
         """
         me = self.topology.rank
-        ops: list[dist.P2POp] = []
-        owners: list[PendingRecv | None] = []  # per op: the receive it belongs to (None: send)
-        is_header: list[bool] = []
-        send_buffers: list[torch.Tensor] = []
-
+        batch = _OpBatch(self.group)
+        sent = PendingSend([], [], self.monitor, [m.peer for m in sends if m.peer != me])
         for msg in sends:
-            tensors = tuple(t.detach().contiguous() for t in msg.tensors)
-            if msg.peer == me:  # pp == 1: the next stage is a local chunk
-                key = (msg.kind, msg.stage, msg.mb)
-                self._local.setdefault(key, deque()).append((msg.is_tuple, tensors))
-                continue
-            need_header = msg.kind == ACT
-            if msg.kind == ACT and self.static_shapes:
-                agreed = self._agreed.get((msg.stage, msg.mb))
-                if agreed is not None:
-                    self._check_static(msg, agreed, tensors)
-                    need_header = False
-                else:
-                    self._agreed[(msg.stage, msg.mb)] = (msg.is_tuple, specs_of(tensors))
-            if need_header:
-                header = self._encode(msg)
-                send_buffers.append(header)
-                ops.append(
-                    dist.P2POp(
-                        dist.isend,
-                        header,
-                        msg.peer,
-                        self.group,
-                        self.tag(msg.kind, msg.stage, True),
-                    )
-                )
-                owners.append(None)
-                is_header.append(True)
-            for t in tensors:
-                send_buffers.append(t)
-                ops.append(
-                    dist.P2POp(
-                        dist.isend, t, msg.peer, self.group, self.tag(msg.kind, msg.stage, False)
-                    )
-                )
-                owners.append(None)
-                is_header.append(False)
+            self._add_send(batch, msg, sent)
+        pendings = [self._add_recv(batch, req) for req in recvs]
+        batch.assign(self._post(batch.ops, "posting sends/receives"))
+        return sent, pendings
 
-        pendings: list[PendingRecv] = []
-        for req in recvs:
-            p = PendingRecv(req, self)
-            pendings.append(p)
-            if req.peer == me:
-                q = self._local.get((req.kind, req.stage, req.mb))
-                if not q:
-                    raise RuntimeError(
-                        f"rank {me}: local {_KIND[req.kind]} for stage {req.stage} mb={req.mb} "
-                        f"was never produced (schedule runs a consumer before its producer)"
-                    )
-                is_tuple, tensors = q.popleft()
-                p.local, p.is_tuple, p.buffers = tensors, is_tuple, list(tensors)
-                continue
-            specs = req.specs
-            if req.kind == ACT:
-                agreed = self._agreed.get((req.stage, req.mb)) if self.static_shapes else None
-                if agreed is None:
-                    self._awaiting_header[req.stage] = self._awaiting_header.get(req.stage, 0) + 1
-                    p.header = torch.empty(self.header_len, dtype=torch.int64, device=self.device)
-                    if self._mark_landing:
-                        p.header_mark = _arm(p.header)
-                    ops.append(
-                        dist.P2POp(
-                            dist.irecv,
-                            p.header,
-                            req.peer,
-                            self.group,
-                            self.tag(req.kind, req.stage, True),
-                        )
-                    )
-                    owners.append(p)
-                    is_header.append(True)
-                    continue
-                p.is_tuple, specs = agreed
-            if specs is None:
-                raise ValueError(f"receive of a {_KIND[req.kind]} needs specs (shapes and dtypes)")
-            p.buffers, p.marks = self._recv_buffers(specs)
-            for b in p.buffers:
-                ops.append(
-                    dist.P2POp(
-                        dist.irecv, b, req.peer, self.group, self.tag(req.kind, req.stage, False)
-                    )
+    def _add_send(self, batch: _OpBatch, msg: Message, sent: PendingSend) -> None:
+        tensors = tuple(t.detach().contiguous() for t in msg.tensors)
+        if msg.peer == self.topology.rank:  # a local chunk's stage (pp == 1, a V's turn)
+            key = (msg.kind, msg.stage, msg.mb)
+            self._local.setdefault(key, deque()).append((msg.is_tuple, tensors))
+            return
+        if self._header_needed(msg, tensors):
+            header = self._encode(msg)
+            sent.buffers.append(header)
+            batch.add(dist.isend, header, msg.peer, self.tag(msg.kind, msg.stage, True), sent.works)
+        tag = self.tag(msg.kind, msg.stage, False)
+        for t in tensors:
+            sent.buffers.append(t)
+            batch.add(dist.isend, t, msg.peer, tag, sent.works)
+
+    def _header_needed(self, msg: Message, tensors: tuple[torch.Tensor, ...]) -> bool:
+        """Activations carry a header, except under static shapes once agreed (then checked)."""
+        if msg.kind != ACT:
+            return False
+        if not self.static_shapes:
+            return True
+        agreed = self._agreed.get((msg.stage, msg.mb))
+        if agreed is None:
+            self._agreed[(msg.stage, msg.mb)] = (msg.is_tuple, specs_of(tensors))
+            return True
+        self._check_static(msg, agreed, tensors)
+        return False
+
+    def _add_recv(self, batch: _OpBatch, req: RecvRequest) -> PendingRecv:
+        pending = PendingRecv(req)
+        if req.peer == self.topology.rank:
+            queue = self._local.get((req.kind, req.stage, req.mb))
+            if not queue:
+                raise RuntimeError(
+                    f"rank {req.peer}: local {_KIND[req.kind]} for stage {req.stage} mb={req.mb} "
+                    f"was never produced (schedule runs a consumer before its producer)"
                 )
-                owners.append(p)
-                is_header.append(False)
+            pending.is_tuple, tensors = queue.popleft()
+            pending.buffers = list(tensors)  # no works: receive() returns them at once
+            return pending
+        specs = req.specs
+        if req.kind == ACT:
+            agreed = self._agreed.get((req.stage, req.mb)) if self.static_shapes else None
+            if agreed is None:  # the header first; receive() posts the data once it is in
+                self._awaiting_header[req.stage] = self._awaiting_header.get(req.stage, 0) + 1
+                pending.header = torch.empty(self.header_len, dtype=torch.int64, device=self.device)
+                if self._mark_landing:
+                    pending.header_mark = _arm(pending.header)
+                tag = self.tag(req.kind, req.stage, True)
+                batch.add(dist.irecv, pending.header, req.peer, tag, pending.header_works)
+                return pending
+            pending.is_tuple, specs = agreed
+        if specs is None:
+            raise ValueError(f"receive of a {_KIND[req.kind]} needs specs (shapes and dtypes)")
+        pending.buffers, pending.marks = self._recv_buffers(specs)
+        tag = self.tag(req.kind, req.stage, False)
+        for b in pending.buffers:
+            batch.add(dist.irecv, b, req.peer, tag, pending.works)
+        return pending
 
-        works: list[Any] = self._post(ops, "posting sends/receives")
-        if len(works) == len(ops):
-            per_op = [[w] for w in works]
-        else:  # coalesced backends (NCCL) return one work for the whole batch
-            per_op = [works for _ in ops]
-        send_works: list[Any] = []
-        for owner, hdr, ws in zip(owners, is_header, per_op):
-            if owner is None:
-                send_works += ws
-            elif hdr:
-                owner.header_works += ws
-            else:
-                owner.works += ws
-        peers = [m.peer for m in sends if m.peer != me]
-        return PendingSend(send_works, send_buffers, self.monitor, peers), pendings
-
-    def _check_static(self, msg: Message, agreed: tuple[bool, list[Spec]], tensors) -> None:
+    def _check_static(
+        self, msg: Message, agreed: tuple[bool, list[Spec]], tensors: Sequence[torch.Tensor]
+    ) -> None:
         is_tuple, specs = agreed
         got = specs_of(tensors)
         if got != specs or is_tuple != msg.is_tuple:
-            dst = self.topology.global_rank(msg.stage % self.topology.pp)
             raise ValueError(
-                f"static_shapes: rank {self.topology.rank} -> rank {dst} activation for stage "
-                f"{msg.stage} mb={msg.mb} changed from the agreed {format_specs(specs)} to "
+                f"static_shapes: rank {self.topology.rank} -> rank {msg.peer} activation for "
+                f"stage {msg.stage} mb={msg.mb} changed from the agreed {format_specs(specs)} to "
                 f"{format_specs(got)}; use static_shapes=False for varying shapes"
             )
+
+    def receive_window(self, count: int, lookahead: int, needs: Needs) -> ReceiveWindow:
+        """A :class:`ReceiveWindow` over ``count`` actions (one step of one rank)."""
+        return ReceiveWindow(self, count, lookahead, needs)
+
+
+Needs = Callable[[int, bool], "list[RecvRequest] | None"]
+"""``needs(index, ahead)``: the receives action ``index`` needs; ``ahead`` says it is a later
+action than the next one, and ``None`` then means its receives cannot be stated yet (a gradient
+whose forward has not run has no shape)."""
+
+
+class ReceiveWindow:
+    """One step's receives, posted ahead in action order.
+
+    After action ``i`` the engine calls :meth:`exchange` with that action's messages: they go out
+    together with the receives of actions ``i+1 .. i+lookahead`` not posted yet. The next
+    action's receives always go out; later ones while ``needs`` can state them and the channel
+    allows (:meth:`P2PCommunicator.may_post_ahead`), stopping at the first that cannot (a
+    channel's receives must be posted in order). :meth:`wait` then hands over what an action
+    received.
+
+    Example (one rank's step)::
+
+        window = comm.receive_window(len(actions), 8, needs)
+        window.exchange([], after=-1)            # before the first action
+        for i, action in enumerate(actions):
+            received, waited = window.wait(i)
+            sent = window.exchange(compute(action, received), after=i)
+    """
+
+    def __init__(self, comm: P2PCommunicator, count: int, lookahead: int, needs: Needs) -> None:
+        self.comm = comm
+        self.count = count
+        self.lookahead = lookahead
+        self._needs = needs
+        self._posted: dict[int, list[PendingRecv]] = {}
+        self.posted_after: dict[int, int] = {}  # action index -> index it was posted after
+        self._upto = -1  # the last action whose receives were posted
+        self.current: list[PendingRecv] = []  # the receives taken by the last wait()
+
+    def exchange(self, sends: Sequence[Message], *, after: int) -> PendingSend:
+        """Post ``sends`` (of action ``after``; ``-1`` before the first) with the receives of the
+        actions up to ``after + lookahead`` not posted yet, in one batched call."""
+        reqs: list[RecvRequest] = []
+        counts: list[tuple[int, int]] = []
+        j, last = self._upto + 1, min(after + self.lookahead, self.count - 1)
+        while j <= last:
+            ahead = j > after + 1
+            needs = self._needs(j, ahead)
+            if needs is None or (ahead and not all(map(self.comm.may_post_ahead, needs))):
+                break
+            reqs += needs
+            counts.append((j, len(needs)))
+            j += 1
+        sent, pendings = self.comm.exchange(sends, reqs)
+        k = 0
+        for index, n in counts:
+            self._posted[index] = pendings[k : k + n]
+            k += n
+            if n:
+                self.posted_after[index] = after
+        self._upto = j - 1
+        return sent
+
+    def outstanding(self) -> list[PendingRecv]:
+        """Every receive posted and not yet consumed (a failed step's leftovers)."""
+        return self.current + [p for posted in self._posted.values() for p in posted]
+
+    def wait(self, index: int) -> tuple[list[PendingRecv], float]:
+        """Block until every receive of action ``index`` has arrived; returns them (``tensors``
+        holds the data) and the seconds spent blocked."""
+        pending = self.current = self._posted.pop(index)
+        for p in pending:
+            self.comm.receive(p)
+        return pending, sum(p.waited for p in pending)

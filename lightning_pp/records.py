@@ -12,11 +12,12 @@ Example:
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from .schedules import Action, Schedule
 
-__all__ = ["StepEvent", "StepRecord"]
+__all__ = ["StepEvent", "StepRecord", "StepRecorder"]
 
 
 @dataclass
@@ -87,3 +88,62 @@ class StepRecord:
     @property
     def duration(self) -> float:
         return self.t1 - self.t0
+
+
+class StepRecorder:
+    """Writes one step's :class:`StepRecord` as the engine runs it: one event per action, and
+    the peaks over them. The engine hands it plain numbers (it keeps its own running totals), so
+    recording costs the same for every action, however long the step.
+
+    Example:
+        >>> from lightning_pp.schedules import Op, build_schedule
+        >>> rec = StepRecorder(0, 0, build_schedule("1f1b", pp=2, microbatches=2), t0=0.0)
+        >>> ev = rec.add(Action(Op.F, 0), start=0.0, comm_wait=0.0, compute_end=0.5, sent=True,
+        ...              recv_posted_after=None, stash_bytes=64, saved_bytes=0, inflight=1,
+        ...              send_bytes=64)
+        >>> rec.record.peak_stash_bytes, rec.record.peak_inflight, ev.send_time
+        (64, 1, 0.5)
+    """
+
+    def __init__(self, rank: int, pp_rank: int, schedule: Schedule, t0: float) -> None:
+        self.record = StepRecord(rank, pp_rank, schedule, t0=t0)
+
+    def add(
+        self,
+        action: Action,
+        *,
+        start: float,
+        comm_wait: float,
+        compute_end: float,
+        sent: bool,
+        recv_posted_after: int | None,
+        stash_bytes: int,
+        saved_bytes: int,
+        inflight: int,
+        send_bytes: int,
+    ) -> StepEvent:
+        """Record ``action``, which ends now (``StepEvent`` documents the fields)."""
+        event = StepEvent(
+            action=action,
+            start=start,
+            end=time.perf_counter(),
+            comm_wait=comm_wait,
+            stash_bytes=stash_bytes,
+            saved_bytes=saved_bytes,
+            send_bytes=send_bytes,
+            inflight=inflight,
+            compute_end=compute_end,
+            send_time=compute_end if sent else None,
+            recv_posted_after=recv_posted_after,
+        )
+        record = self.record
+        record.events.append(event)
+        record.peak_stash_bytes = max(record.peak_stash_bytes, stash_bytes)
+        record.peak_saved_bytes = max(record.peak_saved_bytes, saved_bytes)
+        record.peak_inflight = max(record.peak_inflight, inflight)
+        return event
+
+    def finish(self) -> StepRecord:
+        """Close the record (``t1``: now) and return it."""
+        self.record.t1 = time.perf_counter()
+        return self.record

@@ -58,6 +58,7 @@ def _pack(record: StepRecord) -> tuple:
             e.inflight,
             e.compute_end,
             e.send_time,
+            e.recv_posted_after,
         )
         for e in record.events
     ]
@@ -85,8 +86,8 @@ def _unpack(packed: tuple, schedule: Schedule) -> StepRecord:
         peak_saved_bytes=saved,
         peak_inflight=inflight,
         events=[
-            StepEvent(Action(Op(op), mb, chunk), start, end, wait, st, sv, sd, inf, ce, sent)
-            for op, mb, chunk, start, end, wait, st, sv, sd, inf, ce, sent in events
+            StepEvent(Action(Op(op), mb, chunk), start, end, wait, st, sv, sd, inf, ce, sent, after)
+            for op, mb, chunk, start, end, wait, st, sv, sd, inf, ce, sent, after in events
         ],
     )
 

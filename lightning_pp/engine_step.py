@@ -1,0 +1,441 @@
+"""One step of one rank: the per-step state of :class:`~lightning_pp.engine.PipelineEngine`.
+
+:class:`StepRun` lives for one ``train_step``/``eval_step``: the microbatches, the stash of
+forwards waiting for their backward, the step loss, the pending sends and the receive window.
+The engine keeps only what outlives a step (chunks, communicator, settings); its loop drives a
+``StepRun`` action by action:
+
+1. ``window.wait(i)``: the receives action ``i`` needs (posted after an earlier action);
+2. ``execute``: F runs one local chunk forward, B the backward of that chunk's OLDEST stash entry;
+3. ``post``: the action's sends go out with the receives of up to ``recv_lookahead`` later
+   actions, then the output release and the chunk's gradients-ready hook;
+4. ``record``: one :class:`~lightning_pp.records.StepEvent`.
+
+Where each chunk sits in the pipeline comes from the schedule's placement once
+(:func:`place_chunks`); nothing here has a placement formula of its own.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .microbatch import batch_size_of, split_microbatches
+from .p2p import ACT, GRAD, Message, PendingRecv, RecvRequest, SendQueue, Spec, format_specs
+from .records import StepRecorder
+from .schedules import Action, Op, Schedule
+from .topology import PipelineTopology
+
+if TYPE_CHECKING:
+    from .engine import PipelineEngine
+
+__all__ = ["ChunkPlace", "Stash", "StepRun", "place_chunks"]
+
+
+@dataclass(frozen=True)
+class ChunkPlace:
+    """Where one local chunk sits: its virtual stage and the global ranks of its neighbours
+    (``prev_rank``/``next_rank``: ``-1`` on the first/last stage)."""
+
+    stage: int
+    first: bool
+    last: bool
+    prev_rank: int
+    next_rank: int
+
+
+def place_chunks(schedule: Schedule, topology: PipelineTopology) -> list[ChunkPlace]:
+    """One :class:`ChunkPlace` per local chunk of this rank, from the schedule's placement
+    (the rank holding stage ``s`` is ``topology.global_rank(schedule.locate(s)[0])``).
+
+    Example:
+        >>> from lightning_pp.schedules import build_schedule
+        >>> topo = PipelineTopology.from_world(4, 1, pp=4)
+        >>> place_chunks(build_schedule("interleaved", pp=4, vpp=2, microbatches=8), topo)[1]
+        ChunkPlace(stage=5, first=False, last=False, prev_rank=0, next_rank=2)
+    """
+
+    def rank_of(stage: int) -> int:
+        if not 0 <= stage < schedule.num_stages:
+            return -1
+        return topology.global_rank(schedule.locate(stage)[0])
+
+    last = schedule.num_stages - 1
+    return [
+        ChunkPlace(s, s == 0, s == last, rank_of(s - 1), rank_of(s + 1))
+        for s in schedule.stages_of(topology.pp_rank)
+    ]
+
+
+_Key = tuple[int, int, torch.dtype]  # (data pointer, elements, dtype): one storage view
+
+
+@dataclass
+class _Entry:
+    """One stashed forward: what its backward needs."""
+
+    mb: int
+    inputs: tuple[torch.Tensor, ...]  # received leaves (or first-stage inputs)
+    outputs: tuple[torch.Tensor, ...]  # outputs that take part in backward (or the scaled loss)
+    grad_positions: list[int]  # index of each of ``outputs`` among the floating outputs
+    out_specs: list[Spec]  # every floating output's spec
+    saved_bytes: int = 0
+    held: list[tuple[_Key, int]] = field(default_factory=list)  # (key, bytes) of each tensor
+
+
+class Stash:
+    """Per local chunk, the FIFO of forwards waiting for their backward, with running totals
+    for the step record: ``inflight`` entries, ``nbytes`` of their (deduplicated) inputs and
+    outputs, ``saved_bytes`` autograd saved for them. Kept incrementally so that recording an
+    action does not re-scan the stash.
+
+    Example:
+        >>> stash = Stash(chunks=1)
+        >>> x = torch.ones(4)
+        >>> stash.push(0, _Entry(0, (x,), (x * 2,), [0], []))
+        >>> stash.inflight, stash.nbytes
+        (1, 32)
+        >>> stash.pop(0).mb, stash.nbytes
+        (0, 0)
+    """
+
+    def __init__(self, chunks: int) -> None:
+        self.queues: list[deque[_Entry]] = [deque() for _ in range(chunks)]
+        self.inflight = 0
+        self.nbytes = 0
+        self.saved_bytes = 0
+        self._refs: dict[_Key, int] = {}  # entries' tensors per storage view (shared: once)
+
+    def push(self, chunk: int, entry: _Entry) -> None:
+        self.queues[chunk].append(entry)
+        self.inflight += 1
+        self.saved_bytes += entry.saved_bytes
+        entry.held = [self._hold(t) for t in (*entry.inputs, *entry.outputs)]
+
+    def pop(self, chunk: int) -> _Entry:
+        entry = self.queues[chunk].popleft()
+        self.inflight -= 1
+        self.saved_bytes -= entry.saved_bytes
+        self._drop(entry.held)
+        return entry
+
+    def release_outputs(self, chunk: int) -> None:
+        """Drop the newest entry's hold on its sent outputs' storage (the send keeps its own
+        alias). Only an output's ``grad_fn`` is needed for backward (Megatron's
+        ``deallocate_output_tensor``). Skipped for views (their storage belongs to another
+        tensor) and for leaves (an input passed straight through)."""
+        entry = self.queues[chunk][-1]
+        n_in = len(entry.inputs)
+        self._drop(entry.held[n_in:])
+        input_ptrs = {t.data_ptr() for t in entry.inputs}
+        for t in entry.outputs:
+            if t._base is None and t.grad_fn is not None and t.data_ptr() not in input_ptrs:
+                t.data = torch.empty(1, dtype=t.dtype, device=t.device)
+        entry.held[n_in:] = [self._hold(t) for t in entry.outputs]
+
+    def _hold(self, t: torch.Tensor) -> tuple[_Key, int]:
+        key, nbytes = (t.data_ptr(), t.numel(), t.dtype), t.numel() * t.element_size()
+        count = self._refs.get(key, 0)
+        if not count:
+            self.nbytes += nbytes
+        self._refs[key] = count + 1
+        return key, nbytes
+
+    def _drop(self, held: Sequence[tuple[_Key, int]]) -> None:
+        for key, nbytes in held:
+            count = self._refs[key] - 1
+            if count:
+                self._refs[key] = count
+            else:
+                del self._refs[key]
+                self.nbytes -= nbytes
+
+    def check_fifo(self, action: Action, rank: int) -> _Entry:
+        """The entry ``action`` (a backward) pairs with: the oldest of its chunk, or an error."""
+        q = self.queues[action.chunk]
+        head = q[0] if q else None
+        if head is None or head.mb != action.mb:
+            raise RuntimeError(
+                f"rank {rank}: {action.describe()}: backward order does not match forward "
+                f"order: the oldest stashed forward of chunk {action.chunk} is "
+                f"{'none' if head is None else f'mb={head.mb}'} (stash {[e.mb for e in q]}); "
+                f"backward must pair FIFO with forward or the gradient would be silently wrong"
+            )
+        return head
+
+    def find(self, chunk: int, mb: int) -> _Entry | None:
+        return next((e for e in self.queues[chunk] if e.mb == mb), None)
+
+
+def _as_tuple(x: Any, what: str) -> tuple[tuple[torch.Tensor, ...], bool]:
+    if isinstance(x, torch.Tensor):
+        return (x,), False
+    if isinstance(x, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in x):
+        return tuple(x), True
+    raise TypeError(
+        f"{what} must be a tensor or a tuple of tensors to cross a stage boundary, got "
+        f"{type(x).__name__}"
+        + (f" of {[type(t).__name__ for t in x]}" if isinstance(x, (tuple, list)) else "")
+    )
+
+
+def _storages(batch: Any) -> set[int]:
+    """Data pointers of every tensor storage in a (nested) batch."""
+    if isinstance(batch, torch.Tensor):
+        return {batch.untyped_storage().data_ptr()}
+    if isinstance(batch, dict):
+        batch = list(batch.values())
+    if isinstance(batch, (tuple, list)):
+        return set().union(*(_storages(b) for b in batch)) if batch else set()
+    return set()
+
+
+class StepRun:
+    """One ``train_step``/``eval_step`` of one rank (see the module docstring for the loop).
+
+    Example (what :meth:`PipelineEngine._run_actions` does, less the error handling)::
+
+        step = StepRun(engine, schedule, batch, train=True, collect=False)
+        step.window.exchange([], after=-1)
+        for i, action in enumerate(step.actions):
+            start = time.perf_counter()
+            received, waited = step.window.wait(i)
+            messages = step.execute(action, received)
+            computed = time.perf_counter()
+            step.post(i, action, messages)
+            step.record(i, action, start, waited, computed, sent=bool(messages))
+        step.sends.wait()
+    """
+
+    def __init__(
+        self, engine: PipelineEngine, schedule: Schedule, batch: Any, *, train: bool, collect: bool
+    ) -> None:
+        self.recorder = StepRecorder(engine.rank, engine.pp_rank, schedule, t0=time.perf_counter())
+        self.engine = engine
+        self.places = engine.places
+        self.actions = schedule.ranks[engine.pp_rank]
+        self.train = train
+        self.collect = collect
+        self.microbatches = split_microbatches(batch, schedule.microbatches)
+        self.batch_size = batch_size_of(batch)
+        self._batch_storages = _storages(batch) if engine.measure_memory else set()
+        self.stash = Stash(len(engine.chunks))
+        self.loss = torch.zeros((), dtype=torch.float32, device=engine.device)
+        self.outputs: dict[int, Any] = {}
+        self.sends = SendQueue()
+        self.window = engine.comm.receive_window(
+            len(self.actions), engine.recv_lookahead, self._needs_at
+        )
+        # The action index of each chunk's last backward: its gradients are complete there.
+        self._last_backward = (
+            {a.chunk: i for i, a in enumerate(self.actions) if a.op is Op.B} if train else {}
+        )
+
+    # -- receives ------------------------------------------------------------------------------
+    def _needs_at(self, index: int, ahead: bool) -> list[RecvRequest] | None:
+        return self.needs(self.actions[index], ahead=ahead)
+
+    def needs(self, action: Action, *, ahead: bool = False) -> list[RecvRequest] | None:
+        """The receives ``action`` needs. ``ahead``: it is a LATER action than the next one;
+        ``None`` then means they cannot be stated yet (a backward whose forward has not run)."""
+        place = self.places[action.chunk]
+        if action.op is Op.F:
+            if place.first:
+                return []
+            return [RecvRequest(ACT, place.prev_rank, place.stage, action.mb, chunk=action.chunk)]
+        if place.last:
+            return []
+        if ahead:
+            # Not necessarily the stash head: backwards before this one pop older entries
+            # first (FIFO is checked when this backward runs).
+            entry = self.stash.find(action.chunk, action.mb)
+            if entry is None:
+                return None
+        else:
+            entry = self.stash.check_fifo(action, self.engine.rank)
+        if not entry.out_specs:  # no floating outputs: no gradient travels
+            return []
+        # the stage names the RECEIVING stage (this one), as the sender's Message does
+        specs = entry.out_specs
+        return [RecvRequest(GRAD, place.next_rank, place.stage, action.mb, specs, action.chunk)]
+
+    # -- compute -------------------------------------------------------------------------------
+    def execute(self, action: Action, received: Sequence[PendingRecv]) -> list[Message]:
+        """Run ``action`` on what it received; return the messages it sends."""
+        if action.op is Op.F:
+            return self._forward(action, received)
+        return self._backward(action, received)
+
+    def _forward(self, action: Action, received: Sequence[PendingRecv]) -> list[Message]:
+        engine, c, mb = self.engine, action.chunk, action.mb
+        place = self.places[c]
+        s = place.stage
+        microbatch = self.microbatches[mb]
+        if place.first:
+            x = engine.input_fn(microbatch)
+            inputs = _as_tuple(x, f"input_fn(microbatch {mb})")[0] if self.train else ()
+        else:
+            arrived = received[0]
+            inputs = tuple(
+                t.requires_grad_(True) if self.train and t.is_floating_point() else t
+                for t in arrived.tensors
+            )
+            x = inputs if arrived.is_tuple else inputs[0]
+        saved: dict[Any, int] = {}
+        try:
+            if engine.measure_memory and self.train:
+                with torch.autograd.graph.saved_tensors_hooks(self._pack(saved), lambda t: t):
+                    out = engine.chunks[c](x)
+            else:
+                out = engine.chunks[c](x)
+        except Exception as e:
+            if place.first:
+                raise
+            p = received[0]
+            raise RuntimeError(
+                f"forward of chunk {c} (stage {s}) failed on the input received from rank "
+                f"{p.request.peer} (stage {s - 1}) for mb={mb}: received "
+                f"{'tuple ' if p.is_tuple else ''}{format_specs(p.specs)}: {type(e).__name__}: {e}"
+            ) from e
+        check = engine.finite_checker
+        if check is not None:
+            if place.first:
+                check.batch_input(action, x)
+            check.forward_output(action, out, x)
+        if place.last:
+            self._add_loss(action, out, microbatch, inputs, sum(saved.values()))
+            return []
+        outs, is_tuple = _as_tuple(out, f"output of chunk {c} (stage {s})")
+        if self.train:
+            floating = [t for t in outs if t.is_floating_point()]
+            grad_idx = [i for i, t in enumerate(floating) if t.requires_grad]
+            entry = _Entry(
+                mb,
+                inputs,
+                tuple(floating[i] for i in grad_idx),
+                grad_idx,
+                [(tuple(t.shape), t.dtype) for t in floating],
+                sum(saved.values()),
+            )
+            self.stash.push(c, entry)
+        return [Message(ACT, place.next_rank, s + 1, mb, outs, is_tuple)]
+
+    def _add_loss(
+        self,
+        action: Action,
+        out: Any,
+        microbatch: Any,
+        inputs: tuple[torch.Tensor, ...],
+        saved_bytes: int,
+    ) -> None:
+        """Last stage: the microbatch's loss, scaled into the step loss (and stashed)."""
+        engine = self.engine
+        loss = engine.loss_fn(out, microbatch)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise TypeError(f"loss_fn must return a scalar tensor, got {loss!r}")
+        if engine.finite_checker is not None:
+            engine.finite_checker.loss(action, loss)
+        scale = 1.0
+        if engine.loss_reduction == "mean":
+            scale = batch_size_of(microbatch) / self.batch_size
+        scaled = loss.reshape(()) * scale
+        self.loss += scaled.detach().float()
+        if self.collect:
+            self.outputs[action.mb] = out.detach() if isinstance(out, torch.Tensor) else out
+        if self.train:
+            self.stash.push(
+                action.chunk, _Entry(action.mb, inputs, (scaled,), [0], [], saved_bytes)
+            )
+
+    def _pack(self, saved: dict[Any, int]) -> Callable[[torch.Tensor], torch.Tensor]:
+        params, batch = self.engine.param_storages, self._batch_storages
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            st = t.untyped_storage()
+            ptr = st.data_ptr()
+            if ptr in batch:
+                # A view of the step's input batch (a tensor_split microbatch): the batch is
+                # held by the caller anyway; backward keeps alive only what this view covers.
+                key = (ptr, t.storage_offset(), tuple(t.shape), t.stride())
+                saved[key] = t.numel() * t.element_size()
+            elif ptr not in params:
+                saved[ptr] = st.nbytes()
+            # A detached alias, not ``t`` itself: autograd stores what pack returns, and output
+            # release later swaps the storage of the very tensor object it was given.
+            return t.detach()
+
+        return pack
+
+    def _backward(self, action: Action, received: Sequence[PendingRecv]) -> list[Message]:
+        c, mb = action.chunk, action.mb
+        place = self.places[c]
+        self.stash.check_fifo(action, self.engine.rank)
+        entry = self.stash.pop(c)
+        tensors = entry.outputs
+        if place.last:
+            grads = tuple(torch.ones_like(t) for t in tensors)
+        else:
+            all_grads = received[0].tensors if received else ()
+            grads = tuple(all_grads[i] for i in entry.grad_positions)
+        if tensors:
+            # The autograd engine directly: torch.autograd.backward would reject a released
+            # output whose storage no longer matches its gradient's shape.
+            torch.autograd.Variable._execution_engine.run_backward(  # type: ignore[attr-defined]
+                tensors, grads, False, False, (), True, True
+            )
+        if place.first:
+            return []
+        in_grads = tuple(
+            (t.grad if t.grad is not None else torch.zeros_like(t))
+            for t in entry.inputs
+            if t.is_floating_point()
+        )
+        if not in_grads:
+            return []
+        if self.engine.finite_checker is not None:
+            self.engine.finite_checker.input_grads(action, in_grads)
+        return [Message(GRAD, place.prev_rank, place.stage - 1, mb, in_grads, True)]
+
+    # -- after the compute ---------------------------------------------------------------------
+    def post(self, index: int, action: Action, messages: list[Message]) -> None:
+        """Send ``messages`` with the lookahead receives; then release the sent output and, after
+        a chunk's last backward, check its gradients and call ``on_chunk_grads_ready``."""
+        engine = self.engine
+        self.sends.add(self.window.exchange(messages, after=index))
+        if self.train and action.op is Op.F:
+            if engine.release_outputs and not self.places[action.chunk].last:
+                self.stash.release_outputs(action.chunk)
+        elif self.train and self._last_backward.get(action.chunk) == index:
+            if engine.finite_checker is not None:
+                engine.finite_checker.param_grads(action)
+            if engine.on_chunk_grads_ready:
+                engine.on_chunk_grads_ready(action.chunk)
+        self.sends.reap()
+
+    def record(
+        self,
+        index: int,
+        action: Action,
+        start: float,
+        waited: float,
+        computed: float,
+        *,
+        sent: bool,
+    ) -> None:
+        self.recorder.add(
+            action,
+            start=start,
+            comm_wait=waited,
+            compute_end=computed,
+            sent=sent,
+            recv_posted_after=self.window.posted_after.get(index),
+            stash_bytes=self.stash.nbytes,
+            saved_bytes=self.stash.saved_bytes,
+            inflight=self.stash.inflight,
+            send_bytes=self.sends.nbytes,
+        )
