@@ -53,6 +53,7 @@ __all__ = [
     "check_settings",
     "check_world",
     "default_schedule",
+    "format_count",
 ]
 
 #: the partition methods by name (an explicit per-stage list of layer counts is the other form)
@@ -102,8 +103,9 @@ def _positive(**values: Any) -> None:
 
 
 def _positive_number(name: str, value: Any, unit: str, none_means: str | None = None) -> None:
-    """A positive, finite real (``None`` allowed when ``none_means`` says what it means)."""
-    if value is None and none_means is not None:
+    """A positive, finite real; ``None`` passes (not given), and the message offers it only
+    where it means something to the user (``none_means``)."""
+    if value is None:
         return
     ok = (
         isinstance(value, (int, float))
@@ -145,7 +147,7 @@ def check_settings(
         "accumulate_grad_batches": accumulate_grad_batches,
     }
     _positive(**{k: v for k, v in sizes.items() if v is not None})
-    _positive_number("bucket_cap_mb", bucket_cap_mb, "megabytes", none_means="the default")
+    _positive_number("bucket_cap_mb", bucket_cap_mb, "megabytes")
     _positive_number("watchdog_timeout", watchdog_timeout, "seconds", none_means="disabled")
     if isinstance(partition, str):
         if partition not in PARTITION_METHODS:
@@ -433,7 +435,8 @@ def _layer_kinds(rng: range, names: Sequence[str]) -> str:
     return ", ".join(n if c == 1 else f"{n} x{c}" for n, c in kinds)
 
 
-def _human(n: float) -> str:
+def format_count(n: float) -> str:
+    """``1.07B``, ``52.40K``: a parameter count for humans."""
     for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if n >= size:
             return f"{n / size:.2f}{unit}"
@@ -679,9 +682,9 @@ class PipelinePlan:
                     lines.append(f"  rank {r} chunk {c} (stage {stage}): {text}")
                 if params is not None:
                     lines.append(
-                        f"  rank {r} total: {total:,} params ({_human(total)}); fp32 weights + "
-                        f"grads + AdamW states ~ {16 * total / 2**30:.2f} GiB (activations not "
-                        f"included)"
+                        f"  rank {r} total: {total:,} params ({format_count(total)}); fp32 "
+                        f"weights + grads + AdamW states ~ {16 * total / 2**30:.2f} GiB "
+                        f"(activations not included)"
                     )
         if self.batch_size is not None:
             sizes = sorted(set(self.microbatch_sizes(self.batch_size)))
