@@ -400,6 +400,17 @@ def test_fit_and_plan_refuse_the_same_settings(command, overrides, needles, no_l
         assert f"command-line override '{overrides[0]}'" in err
 
 
+def test_pipeline_over_a_world_known_only_at_run_time(no_launch, capsys):
+    auto = ["trainer.accelerator=auto", "trainer.devices=auto", "strategy.pp=null"]
+    run = check_run(load_config(DEMO, auto), None, model="skip")
+    assert run.world is None and run.plan is None and run.pipeline
+    assert main(["plan", str(DEMO), *auto]) == 0
+    assert "pp=None: the pipeline spans all processes" in capsys.readouterr().out
+    # what needs no pipeline size is still checked
+    assert main(["fit", str(DEMO), *auto, "strategy.microbatches=0"]) == 2
+    assert "'strategy.microbatches' in" in capsys.readouterr().err
+
+
 def test_max_steps_minus_one_means_unlimited(no_launch):
     run = check_run(load_config(DEMO, ["trainer.max_steps=-1"]), None, model="skip")
     assert run.plan is not None

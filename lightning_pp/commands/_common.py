@@ -318,13 +318,15 @@ def check_data(cfg: RunConfig) -> None:
 
 @dataclass
 class RunCheck:
-    """What :func:`check_run` resolved: the world and, for a pipeline run, its plan."""
+    """What :func:`check_run` resolved: the world and, for a pipeline run, its plan
+    (``None`` for ``pp=None`` over a world known only at run time)."""
 
     world: int | None
     devices: int | None
     num_nodes: int
     plan: PipelinePlan | None
-    pipelined: bool
+    #: the run uses PipelineStrategy
+    pipeline: bool
     model_info: MetaModelInfo | None = None
     #: what does not stop the run from being planned but would stop it here (see check_trainer)
     notes: tuple[str, ...] = ()
@@ -392,8 +394,9 @@ def check_run(
     if settings is None:
         return RunCheck(world, devices, num_nodes, None, False, info, notes)
     pp, vpp = settings.get("pp"), settings.get("vpp", 1)
-    pipelined = (pp if pp is not None else (world or 1)) * (vpp or 1) > 1
-    if pipelined and not has_layers:
+    # pp=None over a world not known yet: the strategy checks the module when it is
+    cut = (pp if pp is not None else (world or 1)) * (vpp or 1) > 1
+    if cut and not has_layers:
         raise ConfigError(
             f"model {target} ({cfg.section_origin('model')}) has no pipeline_layers() "
             f"(see lightning_pp.model.PipelineMixin), so it cannot be cut into "
@@ -406,8 +409,10 @@ def check_run(
     accumulate = accumulate if isinstance(accumulate, int) else 1
     try:
         if pp is None and world is None:  # one pipeline over a world known only at run time
-            check_settings(accumulate_grad_batches=accumulate, **settings)
-            return RunCheck(world, devices, num_nodes, None, pipelined, info, notes)
+            unknown_yet = ("pp", "schedule")  # need the pipeline size to be checked
+            given = {k: v for k, v in settings.items() if k not in unknown_yet}
+            check_settings(accumulate_grad_batches=accumulate, **given)
+            return RunCheck(world, devices, num_nodes, None, True, info, notes)
         plan = PipelinePlan.build(
             world_size=world,
             batch_size=batch if isinstance(batch, int) else None,
@@ -423,4 +428,4 @@ def check_run(
             )
     except PreflightError as err:
         raise _plan_error(cfg, err, devices, num_nodes, launch is not None) from None
-    return RunCheck(world, devices, num_nodes, plan, pipelined, info, notes)
+    return RunCheck(world, devices, num_nodes, plan, True, info, notes)

@@ -103,7 +103,7 @@ def report(cfg: RunConfig, command: str = "plan") -> int:
     )
 
     plan = checked.plan
-    if plan is None and checked.pipelined:
+    if plan is None and checked.pipeline:
         out += ["", "--- plan ---"]
         out.append("  (pp=None: the pipeline spans all processes, known only at run time)")
     if plan is not None:
