@@ -15,7 +15,7 @@ from collections.abc import Sequence
 COMMAND_MODULES: tuple[str, ...] = (
     "lightning_pp.commands.schedule",
     "lightning_pp.commands.fit",
-    "lightning_pp.commands.validate",
+    "lightning_pp.commands.plan",
     "lightning_pp.commands.consolidate",
 )
 

@@ -46,7 +46,6 @@ __all__ = [
     "ConfigError",
     "RunConfig",
     "SampleConfig",
-    "detect_launch_environment",
     "import_class",
     "instantiate",
     "is_class_spec",
@@ -573,58 +572,3 @@ def to_plain(value: Any) -> Any:
     if isinstance(value, (DictConfig, ListConfig)):
         return OmegaConf.to_container(value, resolve=True)
     return value
-
-
-# --------------------------------------------------------------------------------------------
-# External launchers
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class LaunchEnvironment:
-    """Processes started outside Lightning (torchrun, ``fabric run``, SLURM ``srun``)."""
-
-    launcher: str
-    devices: int
-    num_nodes: int
-    world_size: int
-    detail: str
-
-
-def detect_launch_environment(environ: Mapping[str, str] | None = None) -> LaunchEnvironment | None:
-    """Devices per node and node count from the launcher, using Lightning's own detection.
-
-    ``TorchElasticEnvironment`` (torchrun / ``fabric run``) and ``SLURMEnvironment`` (srun) say
-    whether processes were created externally; Lightning then insists that
-    ``devices * num_nodes`` equals the launcher's world size, so we take both from it.
-    Returns ``None`` when Lightning will launch the processes itself.
-    """
-    env = os.environ if environ is None else environ
-    from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
-
-    if environ is None:
-        elastic, slurm = TorchElasticEnvironment.detect(), SLURMEnvironment.detect()
-    else:  # for tests: the same conditions, read from the given mapping
-        elastic = "TORCHELASTIC_RUN_ID" in env
-        slurm = "SLURM_NTASKS" in env and env.get("SLURM_JOB_NAME") not in ("bash", "interactive")
-    if elastic:
-        world = int(env["WORLD_SIZE"])
-        local = int(env.get("LOCAL_WORLD_SIZE", world))
-        return LaunchEnvironment(
-            "torchrun",
-            local,
-            max(1, world // local),
-            world,
-            f"WORLD_SIZE={world} LOCAL_WORLD_SIZE={local}",
-        )
-    if slurm:
-        ntasks = int(env["SLURM_NTASKS"])
-        nnodes = int(env.get("SLURM_NNODES", env.get("SLURM_JOB_NUM_NODES", "1")))
-        return LaunchEnvironment(
-            "slurm",
-            max(1, ntasks // nnodes),
-            nnodes,
-            ntasks,
-            f"SLURM_NTASKS={ntasks} SLURM_NNODES={nnodes}",
-        )
-    return None

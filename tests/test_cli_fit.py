@@ -1,6 +1,6 @@
-"""``lightning-pp fit`` / ``validate`` end to end: real processes, real Trainer, real gloo groups.
+"""``lightning-pp fit`` / ``plan`` end to end: real processes, real Trainer, real gloo groups.
 
-* validate prints the partition and schedule for the demo and the 1B GPU template, and builds the
+* plan prints the partition and schedule for the demo and the 1B GPU template, and builds the
   1B model without allocating it (meta device; the process's peak RSS stays far below 4 GB);
 * the same run started by Lightning's own launcher (devices=4) and by two torchrun "nodes" of two
   processes on loopback writes the same per-step losses.
@@ -102,15 +102,15 @@ def free_port() -> int:
 CLI = [sys.executable, "-m", "lightning_pp.cli"]
 
 
-# ------------------------------------------------------------------------------ validate
+# ------------------------------------------------------------------------------ plan
 
 
-def test_validate_demo_shows_partition_and_schedule(capsys):
+def test_plan_demo_shows_partition_and_schedule(capsys):
     from lightning_pp.cli import main
 
-    assert main(["validate", str(REPO / DEMO)]) == 0
+    assert main(["plan", str(REPO / DEMO)]) == 0
     out = capsys.readouterr().out
-    assert "pp=2 x dp=2" in out
+    assert "pipeline: pp=2 x dp=2 (world 4), vpp=1" in out
     assert "rank 0 chunk 0 (stage 0): layers 0-2 (Embedding, Block x2)" in out
     assert "rank 1 chunk 0 (stage 1): layers 3-5 (Block x2, Head)" in out
     assert "rank 0 | F0 F1" in out and "rank 1 | .  F0 B0" in out
@@ -125,31 +125,31 @@ def test_validate_demo_shows_partition_and_schedule(capsys):
     assert "bubble ratio:   0.3750" in out  # 3/8
 
 
-def test_gpu_template_validates_without_allocating_the_model(tmp_path):
-    """1.07B parameters would be 4.3 GB in fp32; the validating process must stay far below."""
+def test_gpu_template_plans_without_allocating_the_model(tmp_path):
+    """1.07B parameters would be 4.3 GB in fp32; the planning process must stay far below."""
     script = (
         "import resource, sys\n"
         "from lightning_pp.cli import main\n"
-        f"rc = main(['validate', {GPU_TEMPLATE!r}])\n"
+        f"rc = main(['plan', {GPU_TEMPLATE!r}])\n"
         "print('MAXRSS_KB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n"
         "sys.exit(rc)\n"
     )
-    log = tmp_path / "validate.log"
+    log = tmp_path / "plan.log"
     assert run_all([[sys.executable, "-c", script]], timeout=240, logs=[log]) == [0], (
         log.read_text()
     )
     out = log.read_text()
     assert "GPT: 1,074,278,400 parameters (1.07B)" in out and "no storage allocated" in out
-    assert "pp=4 x dp=4  (vpp=2 chunks per rank)" in out
+    assert "pipeline: pp=4 x dp=4 (world 16), vpp=2: 8 virtual stages" in out
     for r in range(4):
         assert f"rank {r} chunk 1 (stage {4 + r})" in out
     assert "F0.0" in out and "bubble ratio:   0.1875" in out  # (p-1)/(v*m) = 3/16
     maxrss_kb = int(out.split("MAXRSS_KB")[1].split()[0])
-    assert maxrss_kb < 2_000_000, f"validate used {maxrss_kb / 1e6:.2f} GB: the model was allocated"
+    assert maxrss_kb < 2_000_000, f"plan used {maxrss_kb / 1e6:.2f} GB: the model was allocated"
 
 
 def test_meta_model_info_counts_without_storage():
-    from lightning_pp.commands.validate import meta_model_info
+    from lightning_pp.commands._common import meta_model_info
     from lightning_pp.config import load_config
 
     info = meta_model_info(load_config(REPO / GPU_TEMPLATE))
@@ -208,8 +208,8 @@ def test_fit_single_launcher_and_torchrun_two_nodes_give_same_losses(tmp_path):
 
 
 @pytest.mark.parametrize("config", sorted(p.name for p in (REPO / "configs").glob("*.yaml")))
-def test_every_shipped_config_validates(config, capsys):
+def test_every_shipped_config_plans(config, capsys):
     from lightning_pp.cli import main
 
-    assert main(["validate", str(REPO / "configs" / config)]) == 0, capsys.readouterr().err
+    assert main(["plan", str(REPO / "configs" / config)]) == 0, capsys.readouterr().err
     assert "is valid (nothing was trained or allocated)" in capsys.readouterr().out

@@ -12,8 +12,10 @@ from pathlib import Path
 import pytest
 
 from lightning_pp.cli import main
-from lightning_pp.commands.fit import build_model_and_data, check_shape
-from lightning_pp.config import ConfigError, detect_launch_environment, instantiate, load_config
+from lightning_pp.commands._common import check_run
+from lightning_pp.commands.fit import build_model_and_data
+from lightning_pp.config import ConfigError, instantiate, load_config
+from lightning_pp.launch import detect_launch_environment
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "configs" / "demo_cpu.yaml"
@@ -204,13 +206,25 @@ def test_dotlist_override_changes_resolved_value_and_interpolations():
 
 def test_pipeline_shape_errors_name_the_numbers():
     cfg = load_config(DEMO, ["strategy.pp=3"])
-    with pytest.raises(ConfigError, match=r"world size 4 .* not a multiple of strategy.pp=3"):
-        check_shape(cfg, None)
-    cfg = load_config(DEMO, ["strategy.microbatches=3"])
-    with pytest.raises(ConfigError, match="batch_size=32 .* not divisible by .*microbatches=3"):
-        check_shape(cfg, None)
-    shape = check_shape(load_config(DEMO), None)
-    assert (shape["world"], shape["pp"], shape["dp"], shape["microbatch_size"]) == (4, 2, 2, 8)
+    with pytest.raises(ConfigError) as info:
+        check_run(cfg, None, model="skip")
+    msg = str(info.value)
+    assert "'strategy.pp' in command-line override 'strategy.pp=3'" in msg
+    assert "world size 4 is not divisible by pp=3" in msg and "use pp in [1, 2, 4]" in msg
+    assert "world = devices(4) x num_nodes(1), from trainer.devices x trainer.num_nodes" in msg
+    run = check_run(load_config(DEMO), None, model="skip")
+    assert (run.world, run.plan.pp, run.plan.dp, run.plan.microbatch_sizes(32)) == (
+        4,
+        2,
+        2,
+        [8] * 4,
+    )
+
+
+def test_uneven_microbatches_are_accepted():
+    # the engine splits 32 samples into 3 microbatches of 11, 11, 10 exactly: no divisibility rule
+    run = check_run(load_config(DEMO, ["strategy.microbatches=3"]), None, model="skip")
+    assert run.plan.microbatch_sizes(32) == [11, 11, 10]
 
 
 # ------------------------------------------------------------------------------ class specs
@@ -260,7 +274,7 @@ def test_instantiate_builds_nested_specs():
 
 def test_cli_user_error_exits_2_without_traceback(tmp_path, user_module, capsys):
     path = write(tmp_path, BASE + "  max_step: 10\n")
-    for command in ("validate", "fit"):
+    for command in ("plan", "validate", "fit"):
         assert main([command, str(path)]) == 2
         err = capsys.readouterr().err
         assert f"lightning-pp {command}: error:" in err
@@ -287,8 +301,8 @@ def test_launcher_sizes_replace_config_devices():
     env = detect_launch_environment(
         {"TORCHELASTIC_RUN_ID": "x", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"}
     )
-    shape = check_shape(cfg, env)
-    assert (shape["world"], shape["devices"], shape["num_nodes"], shape["dp"]) == (8, 4, 2, 4)
+    run = check_run(cfg, env, model="skip")
+    assert (run.world, run.devices, run.num_nodes, run.plan.dp) == (8, 4, 2, 4)
 
 
 def test_fit_trains_a_plain_user_module_in_process(tmp_path, user_module, capsys):
@@ -325,11 +339,104 @@ def test_progress_bar_tokens_and_bubble_from_step_record():
     assert last_step_bubble(SimpleNamespace()) is None
 
 
-def test_validate_refuses_to_pipeline_a_model_without_layers(tmp_path, user_module, capsys):
+def test_plan_refuses_to_pipeline_a_model_without_layers(tmp_path, user_module, capsys):
     path = write(tmp_path, BASE + "strategy:\n  pp: 2\n")
-    assert main(["validate", str(path), "trainer.devices=2"]) == 2
+    assert main(["plan", str(path), "trainer.devices=2"]) == 2
     err = capsys.readouterr().err
     assert "TinyRegressor" in err and "no pipeline_layers()" in err and "pp(2) x vpp(1)" in err
     assert main(["fit", str(path), "trainer.devices=2"]) == 2  # refused before any launch
     assert "no pipeline_layers()" in capsys.readouterr().err
-    assert main(["validate", str(path), "strategy.pp=1"]) == 0
+    assert main(["plan", str(path), "strategy.pp=1"]) == 0
+
+
+# ------------------------------------------------------------------------------ fit == plan
+# Settings that `fit` used to launch (4 ranks, 4 tracebacks) while `validate` judged them
+# otherwise. Each must exit 2 before any process starts, from both commands, naming the key,
+# where its value came from, and the fix.
+
+BAD_SETTINGS = [
+    (
+        ["strategy.pp=4", "strategy.vpp=2", "strategy.schedule=interleaved"],
+        ["cannot cut num_layers=6 into pp(4) * vpp(2) = 8", "strategy", "use vpp=1"],
+    ),
+    (
+        ["strategy.partition=foo"],
+        ["'strategy.partition' in command-line override", "use one of ['uniform', 'param"],
+    ),
+    (["strategy.microbatches=0"], ["'strategy.microbatches' in", "positive integer, got 0"]),
+    (["data.init_args.batch_size=0"], ["'data.init_args.batch_size' in", "positive integer"]),
+    (["data.init_args.block_size=0"], ["'data.init_args.block_size' in", "positive integer"]),
+    (["data.init_args.max_chars=-1"], ["'data.init_args.max_chars' in", "positive integer"]),
+    (["strategy.watchdog_timeout=0"], ["'strategy.watchdog_timeout' in", "seconds or None"]),
+    (["trainer.devices=0"], ["'trainer.devices' in", "set trainer.devices to the number"]),
+    (["trainer.max_steps=-5"], ["'trainer.max_steps' in", "or -1 for no limit"]),
+    (["strategy.bucket_cap_mb=-1"], ["'strategy.bucket_cap_mb' in", "number of megabytes"]),
+    (["trainer.num_nodes=0"], ["'trainer.num_nodes' in", "positive integer"]),
+    (["strategy.pp=3"], ["'strategy.pp' in", "world size 4 is not divisible by pp=3"]),
+    (["data.init_args.batch_size=3"], ["batch size 3 per replica is smaller than microbatches"]),
+]
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    """`fit` must not get as far as training: fail loudly if it would."""
+    import lightning_pp.commands.fit as fit_cmd
+
+    def launched(*args, **kwargs):
+        raise AssertionError("fit started training although the config is invalid")
+
+    monkeypatch.setattr(fit_cmd, "train", launched)
+
+
+@pytest.mark.parametrize("overrides, needles", BAD_SETTINGS, ids=lambda v: str(v[0]))
+@pytest.mark.parametrize("command", ["fit", "plan"])
+def test_fit_and_plan_refuse_the_same_settings(command, overrides, needles, no_launch, capsys):
+    assert main([command, str(DEMO), *overrides]) == 2
+    out, err = capsys.readouterr()
+    assert err.startswith(f"lightning-pp {command}: error: ") and "Traceback" not in err
+    for needle in needles:
+        assert needle in err, err
+    if "=" in overrides[0] and needles[0].startswith("'"):  # names the override it came from
+        assert f"command-line override '{overrides[0]}'" in err
+
+
+def test_pipeline_over_a_world_known_only_at_run_time(no_launch, capsys):
+    auto = ["trainer.accelerator=auto", "trainer.devices=auto", "strategy.pp=null"]
+    run = check_run(load_config(DEMO, auto), None, model="skip")
+    assert run.world is None and run.plan is None and run.pipeline
+    assert main(["plan", str(DEMO), *auto]) == 0
+    assert "pp=None: the pipeline spans all processes" in capsys.readouterr().out
+    # what needs no pipeline size is still checked
+    assert main(["fit", str(DEMO), *auto, "strategy.microbatches=0"]) == 2
+    assert "'strategy.microbatches' in" in capsys.readouterr().err
+
+
+def test_max_steps_minus_one_means_unlimited(no_launch):
+    run = check_run(load_config(DEMO, ["trainer.max_steps=-1"]), None, model="skip")
+    assert run.plan is not None
+
+
+def test_accelerator_missing_here(monkeypatch, no_launch, capsys):
+    import lightning_pp.commands._common as common
+
+    monkeypatch.setattr(common, "_accelerator_available", lambda name: False)
+    assert main(["fit", str(DEMO), "trainer.accelerator=gpu"]) == 2
+    err = capsys.readouterr().err
+    assert "'trainer.accelerator' in command-line override 'trainer.accelerator=gpu'" in err
+    assert "use trainer.accelerator=cpu" in err
+    # `plan` may check a GPU run on a laptop: it says so and still shows the plan
+    assert main(["plan", str(DEMO), "trainer.accelerator=gpu"]) == 0
+    out = capsys.readouterr().out
+    assert "note: 'trainer.accelerator'" in out and "`lightning-pp fit` refuses" in out
+
+
+def test_validate_is_a_deprecated_alias_of_plan(capsys):
+    assert main(["plan", str(DEMO)]) == 0
+    planned = capsys.readouterr()
+    assert main(["validate", str(DEMO)]) == 0
+    validated = capsys.readouterr()
+    assert validated.out == planned.out
+    assert validated.err.strip() == (
+        "lightning-pp validate is deprecated: use `lightning-pp plan` (same arguments)"
+    )
+    assert planned.err == ""

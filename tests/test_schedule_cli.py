@@ -115,6 +115,15 @@ def test_png(capsys, tmp_path):
         ),
         (["--schedule", "1f1b", "--pp", "4", "--vpp", "2", "--microbatches", "8"], ["vpp=2"]),
         (["--schedule", "gpipe", "--pp", "0", "--microbatches", "8"], ["pp", "got 0"]),
+        # the plan's rules, as for a run
+        (
+            ["--schedule", "gpipe", "--pp", "2", "--microbatches", "0"],
+            ["microbatches must be a positive integer, got 0"],
+        ),
+        (
+            ["--schedule", "1f1b", "--pp", "2", "--microbatches", "4", "--group-size", "2"],
+            ["group_size applies only to the interleaved schedule"],
+        ),
     ],
 )
 def test_invalid_combos_exit_2_without_traceback(capsys, argv, needles):

@@ -4,35 +4,40 @@ Example::
 
     lightning-pp fit configs/demo_cpu.yaml
     lightning-pp fit configs/demo_cpu.yaml strategy.pp=4 trainer.max_steps=50
-    lightning-pp fit configs/gpt_1b_pp4_vpp2.yaml --dry-run      # same as `lightning-pp validate`
+    lightning-pp fit configs/gpt_1b_pp4_vpp2.yaml --dry-run      # same as `lightning-pp plan`
     torchrun --nnodes 2 --node_rank 0 --nproc_per_node 2 --master_addr HOST --master_port 29500 \\
         -m lightning_pp.cli fit configs/demo_cpu.yaml
 
-A mistake in the config (unknown key, wrong type, impossible pipeline shape) prints one message
-naming the key and the file, and exits with code 2 before any process is started.
+A mistake in the config (unknown key, wrong type, impossible pipeline shape: the rules of
+:class:`~lightning_pp.plan.PipelinePlan`) prints one message naming the key, the file and the
+fix, and exits with code 2 before any process is started.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 import types
-from collections.abc import Callable
 from typing import Any
 
+from lightning_pp.commands._common import (
+    add_config_arguments,
+    check_run,
+    fail,
+    pipeline_plan,
+    say,
+    split_options,
+)
 from lightning_pp.config import (
     ConfigError,
-    LaunchEnvironment,
     RunConfig,
     SampleConfig,
-    detect_launch_environment,
-    import_class,
     instantiate,
     is_class_spec,
     load_config,
     pipeline_strategy_class,
 )
+from lightning_pp.launch import LaunchEnvironment, detect_launch_environment
 
 __all__ = ["build_trainer", "register", "run", "train"]
 
@@ -41,7 +46,7 @@ def _fit_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--dry-run",
         action="store_true",
-        help="check and print the plan (like `lightning-pp validate`) without training",
+        help="check and print the plan (like `lightning-pp plan`) without training",
     )
     p.add_argument(
         "--losses-out",
@@ -59,7 +64,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="train a model from a YAML run file (+ key=value overrides)",
         description=(
             "Load CONFIG, apply key=value overrides (OmegaConf dotlist, e.g. strategy.pp=4), "
-            "check every key against the Trainer/strategy/class signatures, then train."
+            "check every key against the Trainer/strategy/class signatures and the pipeline "
+            "plan, then train."
         ),
     )
     _fit_options(p)
@@ -67,169 +73,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def add_config_arguments(
-    p: argparse.ArgumentParser, options: Callable[[argparse.ArgumentParser], None] | None = None
-) -> None:
-    """``CONFIG [KEY=VALUE ...]``; options may also come after the overrides.
-
-    argparse cannot give a ``nargs="*"`` positional the values that follow an option
-    (``fit run.yaml --dry-run a=1``), so the overrides take the rest of the command line and
-    :func:`split_options` picks the options back out of it.
-    """
-    p.add_argument("config", help="YAML run file (see docs/config.md)")
-    p.add_argument(
-        "overrides",
-        nargs=argparse.REMAINDER,
-        metavar="KEY=VALUE",
-        help="dotlist overrides, e.g. trainer.max_steps=200 strategy.microbatches=16",
-    )
-    p.set_defaults(_options=options)
-
-
-def split_options(args: argparse.Namespace, command: str) -> None:
-    """Move options found among the overrides into ``args``; raise on an unknown option."""
-    flags = argparse.ArgumentParser(prog=f"lightning-pp {command}", add_help=False)
-    if args._options is not None:
-        args._options(flags)
-    parsed, rest = flags.parse_known_args(args.overrides)
-    for key, value in vars(parsed).items():
-        if value != flags.get_default(key):
-            setattr(args, key, value)
-    unknown = [r for r in rest if r.startswith("-")]
-    if unknown:
-        raise ConfigError(f"unrecognized option(s) {unknown}; overrides are written key=value")
-    args.overrides = rest
-
-
-def fail(command: str, message: str) -> int:
-    """Print a user error without a traceback; exit code 2 (as argparse does)."""
-    print(f"lightning-pp {command}: error: {message}", file=sys.stderr)
-    return 2
-
-
-def is_rank_zero() -> bool:
-    """Rank 0 of the job, judged from the launcher's environment (before any Trainer exists)."""
-    from lightning.fabric.utilities.rank_zero import rank_zero_only
-
-    return getattr(rank_zero_only, "rank", 0) == 0
-
-
-def say(message: str) -> None:
-    if is_rank_zero():
-        print(message, flush=True)
-
-
 # --------------------------------------------------------------------------------------------
 # Building the run
 # --------------------------------------------------------------------------------------------
-
-
-def strategy_settings(cfg: RunConfig, world: int | None = None) -> dict[str, Any]:
-    """The pipeline shape this run asks for, with PipelineStrategy's defaults filled in.
-
-    ``pp=None`` means "all processes" (resolved when ``world`` is known), ``microbatches=None``
-    means ``pp`` and ``schedule=None`` means ``1f1b`` (``interleaved`` when ``vpp > 1``), as in
-    :class:`~lightning_pp.strategy.PipelineStrategy`. Returns ``{}`` when the run does not use
-    the pipeline strategy (another strategy name or a class spec).
-    """
-    section = cfg.get("strategy")
-    if section == "pipeline":
-        section = {}
-    elif section is None or isinstance(section, str) or is_class_spec(section):
-        return {}
-    settings: dict[str, Any] = {}
-    cls = pipeline_strategy_class()
-    if cls is not None:
-        import inspect
-
-        for name, param in inspect.signature(cls).parameters.items():
-            if param.default is not inspect.Parameter.empty:
-                settings[name] = param.default
-    settings.update(section or {})
-    if settings.get("pp") is None and world is not None:
-        settings["pp"] = world
-    settings.setdefault("vpp", 1)
-    if settings.get("microbatches") is None and settings.get("pp") is not None:
-        settings["microbatches"] = settings["pp"]
-    if settings.get("schedule") is None:
-        settings["schedule"] = "interleaved" if settings["vpp"] > 1 else "1f1b"
-    return settings
-
-
-def resolve_world(cfg: RunConfig, launch: LaunchEnvironment | None) -> tuple[int | None, int]:
-    """(devices per node, nodes): from the launcher when processes come from outside."""
-    if launch is not None:
-        return launch.devices, launch.num_nodes
-    trainer = cfg.get("trainer") or {}
-    devices = trainer.get("devices", "auto")
-    num_nodes = int(trainer.get("num_nodes", 1))
-    if isinstance(devices, list):
-        devices = len(devices)
-    elif isinstance(devices, str) and devices.isdigit():
-        devices = int(devices)
-    if not isinstance(devices, int) or devices < 1:
-        accel = trainer.get("accelerator", "auto")
-        devices = 1 if accel == "cpu" and devices == "auto" else None
-    return devices, num_nodes
-
-
-def check_shape(cfg: RunConfig, launch: LaunchEnvironment | None) -> dict[str, Any]:
-    """World / pipeline / batch arithmetic, checked before any process starts.
-
-    Returns the numbers (world, pp, dp, microbatches, batch_size, microbatch_size) for printing.
-    """
-    shape: dict[str, Any] = {}
-    devices, num_nodes = resolve_world(cfg, launch)
-    world = devices * num_nodes if devices is not None else None
-    settings = strategy_settings(cfg, world)
-    shape["settings"] = settings
-    pp = settings.get("pp") or 1
-    vpp = settings.get("vpp", 1)
-    shape.update(world=world, devices=devices, num_nodes=num_nodes, pp=pp, vpp=vpp)
-    origin = cfg.origin("strategy.pp")
-    if world is not None and settings:
-        if world % pp:
-            raise ConfigError(
-                f"world size {world} (devices({devices}) * num_nodes({num_nodes})) is not a "
-                f"multiple of strategy.pp={pp} ({origin}); use pp in "
-                f"{[d for d in range(1, world + 1) if world % d == 0]}"
-            )
-        shape["dp"] = world // pp
-    microbatches = settings.get("microbatches")
-    batch_size = (cfg.get("data.init_args") or cfg.get("data") or {}).get("batch_size")
-    shape.update(microbatches=microbatches, batch_size=batch_size)
-    if isinstance(microbatches, int) and isinstance(batch_size, int):
-        if batch_size % microbatches:
-            raise ConfigError(
-                f"batch_size={batch_size} (per data-parallel replica, {cfg.path}) is not "
-                f"divisible by strategy.microbatches={microbatches} "
-                f"({cfg.origin('strategy.microbatches')})"
-            )
-        shape["microbatch_size"] = batch_size // microbatches
-    model_spec = cfg.get("model")
-    if settings and pp * vpp > 1 and is_class_spec(model_spec):
-        target = model_spec.get("class_path", model_spec.get("_target_"))
-        if not hasattr(import_class(target), "pipeline_layers"):
-            raise ConfigError(
-                f"model {target} ({cfg.section_origin('model')}) has no pipeline_layers() "
-                f"(see lightning_pp.model.PipelineMixin), so it cannot be cut into "
-                f"pp({pp}) x vpp({vpp}) chunks; set strategy.pp=1 and strategy.vpp=1, or use a "
-                f"non-pipeline strategy such as 'strategy: ddp'"
-            )
-    if settings.get("pp") and settings.get("microbatches"):
-        from lightning_pp.schedules import build_schedule
-
-        try:
-            shape["schedule"] = build_schedule(
-                settings["schedule"],
-                pp=settings["pp"],
-                microbatches=settings["microbatches"],
-                vpp=settings["vpp"],
-                group_size=settings.get("group_size"),
-            )
-        except ValueError as err:
-            raise ConfigError(f"strategy ({cfg.section_origin('strategy')}): {err}") from None
-    return shape
 
 
 def attach_optimizer(model: Any, optimizer: dict, lr_scheduler: dict | None) -> None:
@@ -331,12 +177,14 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as err:
         return fail("fit", str(err))
     if args.dry_run:
-        from lightning_pp.commands.validate import report
+        from lightning_pp.commands.plan import report
 
         return report(cfg, command="fit")
     launch = detect_launch_environment()
     try:
-        check_shape(cfg, launch)
+        # Every rule that can be checked before launch, so that a mistake exits 2 here
+        # instead of a traceback on every rank.
+        check_run(cfg, launch, model="try")
     except ConfigError as err:
         return fail("fit", str(err))
     return train(cfg, launch, losses_out=args.losses_out, ckpt_path=args.ckpt_path)
@@ -370,11 +218,11 @@ def train(
         # not judge, e.g. PipelineStrategy(pp=0): still the config's fault, not a crash.
         return fail("fit", f"{cfg.path}: {type(err).__name__}: {err}")
     if trainer.is_global_zero:
-        s = strategy_settings(cfg, trainer.world_size)
+        plan = pipeline_plan(cfg, trainer.world_size)
         shape = (
-            f"pp={s.get('pp')} vpp={s.get('vpp')} microbatches={s.get('microbatches')} "
-            f"schedule={s.get('schedule')}"
-            if s
+            f"pp={plan.pp} vpp={plan.vpp} microbatches={plan.microbatches} "
+            f"schedule={plan.schedule.name}"
+            if plan is not None
             else f"strategy={type(trainer.strategy).__name__}"
         )
         print(
@@ -407,8 +255,8 @@ def _full_model_on_rank_zero(trainer: Any, model: Any, cfg: RunConfig) -> Any:
     """
     import torch.distributed as dist
 
-    settings = strategy_settings(cfg, trainer.world_size)
-    pipelined = settings.get("pp", 1) > 1 or settings.get("vpp", 1) > 1
+    plan = pipeline_plan(cfg, trainer.world_size)
+    pipelined = plan is not None and plan.num_stages > 1
     if not pipelined or trainer.world_size == 1:
         return model if trainer.is_global_zero else None
     if not dist.is_available() or not dist.is_initialized():

@@ -12,7 +12,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from lightning_pp.schedules import SCHEDULES, build_schedule, render_gantt, render_grid, simulate
+from lightning_pp.plan import PipelinePlan
+from lightning_pp.schedules import SCHEDULES, render_gantt, render_grid, simulate
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -47,15 +48,18 @@ def _fail(message: str) -> int:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        schedule = build_schedule(
-            args.schedule,
+        # The plan's rules, as for a run; the bubble warning for microbatches < pp is left out
+        # (showing such a schedule is what this command is for).
+        schedule = PipelinePlan.build(
+            schedule=args.schedule,
             pp=args.pp,
             microbatches=args.microbatches,
             vpp=args.vpp,
             group_size=args.group_size,
-        )
+            warn=False,
+        ).schedule
         result = simulate(schedule)
-    except ValueError as exc:  # includes ScheduleError
+    except ValueError as exc:  # PreflightError, ScheduleError
         return _fail(str(exc))
 
     if args.format == "json":
