@@ -24,21 +24,16 @@ import warnings
 from collections.abc import Callable, Generator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.seed import reset_seed
-from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -65,6 +60,7 @@ from .preflight import (
     check_schedule_args,
     check_world,
 )
+from .process_strategy import ProcessGroupStrategy, StartMethod
 from .schedules import Schedule, check_positive
 from .topology import PipelineTopology, ProcessGroups, build_process_groups
 
@@ -73,7 +69,7 @@ __all__ = ["PipelineStrategy"]
 log = logging.getLogger(__name__)
 
 
-class PipelineStrategy(ParallelStrategy):
+class PipelineStrategy(ProcessGroupStrategy):
     """Pipeline-parallel (Megatron-style schedules) x data-parallel training.
 
     The world of ``num_nodes x devices`` processes is a ``pp x dp`` grid (``dp = world / pp``,
@@ -92,8 +88,8 @@ class PipelineStrategy(ParallelStrategy):
         group_size: interleaved schedule's microbatch group size (default ``pp``).
         release_outputs: free a sent activation's storage (only its autograd graph is kept).
         bucket_cap_mb: data-parallel all-reduce bucket size.
-        start_method: ``"popen"`` (re-run the script per rank, like ``ddp``) or ``"spawn"``/
-            ``"fork"`` (in-process launch, like ``ddp_spawn``).
+        start_method, process_group_backend, timeout: launching and the process group, see
+            :class:`~lightning_pp.process_strategy.ProcessGroupStrategy`.
         watchdog_timeout: seconds a rank may block on one pipeline transfer before the step
             fails with a hang report (rank, awaited message, the other ranks' state, the grid);
             ``None`` disables. See docs/troubleshooting.md.
@@ -120,7 +116,7 @@ class PipelineStrategy(ParallelStrategy):
         group_size: int | None = None,
         release_outputs: bool = True,
         bucket_cap_mb: float = 25.0,
-        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        start_method: StartMethod = "popen",
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -133,11 +129,14 @@ class PipelineStrategy(ParallelStrategy):
         recv_lookahead: int | None = None,
     ) -> None:
         super().__init__(
+            start_method=start_method,
             accelerator=accelerator,
             parallel_devices=parallel_devices,
             cluster_environment=cluster_environment,
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
         )
         self._pp, self.vpp, self._microbatches = pp, vpp, microbatches
         self.schedule_name = schedule or ("1f1b" if vpp == 1 else "interleaved")
@@ -145,13 +144,9 @@ class PipelineStrategy(ParallelStrategy):
         self.group_size = group_size
         self.release_outputs = release_outputs
         self.bucket_cap_mb = bucket_cap_mb
-        self._start_method = start_method
-        self._process_group_backend = process_group_backend
-        self._timeout = timeout
         self.watchdog_timeout = watchdog_timeout
         self.check_finite = check_finite
         self.recv_lookahead = recv_lookahead
-        self._num_nodes = 1
         self._schedule: Schedule | None = None
         self._check_shape(pp)  # fail at construction, before any process starts
 
@@ -188,39 +183,12 @@ class PipelineStrategy(ParallelStrategy):
         return list(self.placement.layer_ranges) if self.placement is not None else None
 
     @property
-    def is_distributed(self) -> bool:
-        """Tells Lightning's connector to sync ``self.log(sync_dist=True)`` and inject samplers."""
-        return True
-
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         """Shard data over data-parallel replicas only: all stages of a pipeline see one batch."""
         if self.topology is not None:
             return {"num_replicas": self.topology.dp, "rank": self.topology.dp_rank}
         return {"num_replicas": self.dp, "rank": self.global_rank % self.dp}
-
-    @property
-    def process_group_backend(self) -> str | None:
-        return self._process_group_backend
 
     # ------------------------------------------------------------------ rules
     # Every validity rule the strategy applies, in one place (the rules and their messages live
@@ -295,39 +263,14 @@ class PipelineStrategy(ParallelStrategy):
             )
 
     # ------------------------------------------------------------------ launching
+    @override
     def set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(
-                self.node_rank * self.num_processes + self.local_rank
-            )
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+        super().set_world_ranks()
         self._check_world()
 
     @override
-    def _configure_launcher(self) -> None:
-        assert self.cluster_environment is not None
-        if self._start_method == "popen":
-            # The launcher itself starts nothing when torchrun/SLURM created the processes.
-            self._launcher = compat.subprocess_script_launcher(
-                self.cluster_environment, self.num_processes, self.num_nodes
-            )
-        elif not self.cluster_environment.creates_processes_externally:
-            self._launcher = compat.multiprocessing_launcher(self, self._start_method)
-
-    @override
     def setup_environment(self) -> None:
-        super().setup_environment()
-        reset_seed()
-        self.set_world_ranks()
-        self._process_group_backend = backend = (
-            self._process_group_backend or compat.default_process_group_backend(self.root_device)
-        )
-        assert self.cluster_environment is not None
-        kwargs: dict[str, Any] = {"timeout": self._timeout}
-        if self.root_device.type != "cpu":
-            kwargs["device_id"] = self.root_device
-        compat.init_dist_connection(self.cluster_environment, backend, **kwargs)
+        super().setup_environment()  # the default process group
         self.topology = PipelineTopology.from_world(self.world_size, self.global_rank, self.pp)
         self.groups = build_process_groups(self.topology, timeout=self._timeout)
 
@@ -456,11 +399,6 @@ class PipelineStrategy(ParallelStrategy):
             f"pipeline: receive lookahead {self.engine.recv_lookahead} action(s); data-parallel "
             f"buckets of {self.bucket_cap_mb:g} MB ({sync.num_buckets if sync else 0} on rank 0)"
         )
-
-    @override
-    def model_to_device(self) -> None:
-        assert self.model is not None
-        self.model.to(self.root_device)
 
     # ------------------------------------------------------------------ training
     @override
@@ -638,32 +576,6 @@ class PipelineStrategy(ParallelStrategy):
         """Delete a checkpoint directory (ModelCheckpoint's top-k rotation)."""
         if self.is_global_zero:
             remove_checkpoint_dir(filepath)
-
-    # ------------------------------------------------------------------ collectives
-    @override
-    def barrier(self, name: str | None = None) -> None:
-        if not compat.distributed_is_initialized():
-            return
-        if dist.get_backend() == "nccl":
-            dist.barrier(device_ids=[self.root_device.index])
-        else:
-            dist.barrier()
-
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not compat.distributed_is_initialized():
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src)
-        return box[0]
-
-    @override
-    def reduce(
-        self, tensor: Tensor | Any, group: Any = None, reduce_op: ReduceOp | str | None = "mean"
-    ) -> Tensor | Any:
-        if isinstance(tensor, Tensor):
-            return compat.sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
 
     # ------------------------------------------------------------------ teardown, registry
     @override
