@@ -3,7 +3,7 @@ raise ``ValueError`` naming the offending numbers. Pure (no processes), a few se
 
 The oracle below restates the rules independently (world = pp * dp, one layer per chunk, one
 sample per microbatch, 1F1B cannot interleave, Megatron's interleaved group rules) so that a
-preflight that accepted a bad combination, or rejected a good one, fails here.
+plan that accepted a bad combination, or rejected a good one, fails here.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import warnings
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lightning_pp.preflight import PipelineWarning, preflight
+from lightning_pp.plan import PipelinePlan, PipelineWarning
 from lightning_pp.schedules import peak_inflight, validate
 
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -56,12 +56,12 @@ args = st.fixed_dictionaries(
 
 @SETTINGS
 @given(args)
-def test_preflight_accepts_exactly_the_valid_combinations(a):
+def test_plan_accepts_exactly_the_valid_combinations(a):
     expected = _problems(**a)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", PipelineWarning)
-            plan = preflight(
+            plan = PipelinePlan.build(
                 world_size=a["world"],
                 pp=a["pp"],
                 vpp=a["vpp"],
@@ -81,8 +81,9 @@ def test_preflight_accepts_exactly_the_valid_combinations(a):
     # what was accepted is sound: the schedule runs, the split covers every layer once
     validate(plan.schedule)
     assert plan.dp * plan.pp == a["world"]
-    assert [i for r in plan.split for i in r] == list(range(a["layers"]))
-    assert all(len(r) >= 1 for r in plan.split) and len(plan.split) == a["pp"] * a["vpp"]
+    assert [i for r in plan.layer_ranges for i in r] == list(range(a["layers"]))
+    assert all(len(r) >= 1 for r in plan.layer_ranges)
+    assert len(plan.layer_ranges) == a["pp"] * a["vpp"]
     if plan.schedule.name == "1f1b":  # the memory bound that motivates 1F1B
         assert all(peak <= a["pp"] - r for r, peak in enumerate(peak_inflight(plan.schedule)))
     assert (a["m"] < a["pp"] and a["pp"] > 1) == bool(plan.warnings)
@@ -99,7 +100,7 @@ def test_global_batch_over_dp(world, pp, gbs, m):
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", PipelineWarning)
-            plan = preflight(
+            plan = PipelinePlan.build(
                 world_size=world, pp=pp, microbatches=m, schedule="gpipe", global_batch_size=gbs
             )
     except ValueError as e:

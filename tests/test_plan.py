@@ -1,4 +1,5 @@
-"""Preflight: one test per error (message names the numbers and the fix), plus the warnings.
+"""PipelinePlan and its rules: one test per error (message names the numbers and the fix),
+the warnings, the plan's refinement steps and its description.
 
 Pure: no process group, no Trainer. Runs in well under a second.
 """
@@ -13,7 +14,8 @@ import torch
 from torch import nn
 
 from lightning_pp.model import PipelineLayers, PipelineMixin
-from lightning_pp.preflight import (
+from lightning_pp.plan import (
+    PipelinePlan,
     PipelineWarning,
     PreflightError,
     bubble_warning,
@@ -22,7 +24,6 @@ from lightning_pp.preflight import (
     check_module,
     check_schedule_args,
     check_world,
-    preflight,
 )
 from lightning_pp.schedules import build_schedule, validate
 
@@ -253,47 +254,214 @@ def test_good_module_passes_both_phases():
     assert m.layers.num_layers == 2
 
 
-# ---- the combined entry point -----------------------------------------------------------------
+# ---- the plan -------------------------------------------------------------------------------
 
 
-def test_preflight_resolves_everything():
+def test_build_resolves_everything():
     plan = _no_pipeline_warning(
-        preflight, world_size=8, pp=4, vpp=2, microbatches=8, num_layers=18, batch_size=8
+        PipelinePlan.build,
+        world_size=8,
+        pp=4,
+        vpp=2,
+        microbatches=8,
+        num_layers=18,
+        batch_size=8,
     )
     assert (plan.dp, plan.schedule.name, plan.microbatches) == (2, "interleaved", 8)
     assert plan.split_text == "s0=2 s1=2 s2=2 s3=2 s4=2 s5=2 s6=3 s7=3"
-    assert plan.warnings == []
+    assert plan.warnings == ()
+    assert plan.num_stages == 8 and plan.num_layers == 18
 
 
-def test_preflight_collects_the_bubble_warning():
+def test_plan_is_frozen():
+    import dataclasses
+
+    plan = _no_pipeline_warning(PipelinePlan.build, pp=2)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.pp = 3  # type: ignore[misc]
+
+
+def test_build_collects_the_bubble_warning():
     with pytest.warns(PipelineWarning):
-        plan = preflight(pp=4, microbatches=3)
+        plan = PipelinePlan.build(pp=4, microbatches=3)
     assert len(plan.warnings) == 1 and "microbatches=3 < pp=4" in plan.warnings[0]
+    with warnings.catch_warnings():  # warn=False: kept on the plan, not emitted
+        warnings.simplefilter("error", PipelineWarning)
+        assert PipelinePlan.build(pp=4, microbatches=3, warn=False).warnings == plan.warnings
 
 
-def test_preflight_checks_batch_against_resolved_microbatches():
+def test_build_checks_batch_against_resolved_microbatches():
     # microbatches=None means pp: 4 microbatches need 4 samples per replica
-    with pytest.raises(PreflightError, match=r"batch size 2 per replica .* microbatches=4"):
-        preflight(pp=4, world_size=8, batch_size=2)
+    with pytest.raises(PreflightError, match=r"batch size 2 per replica .* microbatches=4") as e:
+        PipelinePlan.build(pp=4, world_size=8, batch_size=2)
+    assert e.value.key == "batch_size"
 
 
-def test_preflight_module_check():
+def test_uneven_batch_split_is_accepted():
+    # the engine splits 10 samples into 4 microbatches of 3, 3, 2, 2 exactly
+    plan = _no_pipeline_warning(PipelinePlan.build, pp=2, microbatches=4, batch_size=10)
+    plan.check_batch(10)
+    assert plan.microbatch_sizes(10) == [3, 3, 2, 2]
+    assert "10 per data-parallel replica = 4 microbatches of 2-3" in "\n".join(plan.describe())
+
+
+def test_defaults_are_written_once():
+    plan = _no_pipeline_warning(PipelinePlan.build, pp=4)
+    assert (plan.schedule.name, plan.microbatches) == ("1f1b", 4)
+    plan = _no_pipeline_warning(PipelinePlan.build, pp=2, vpp=2)
+    assert (plan.schedule.name, plan.microbatches) == ("interleaved", 2)
+
+
+def test_pp_none_is_the_whole_world():
+    plan = _no_pipeline_warning(PipelinePlan.build, world_size=4)
+    assert (plan.pp, plan.dp, plan.microbatches) == (4, 1, 4)
+    with pytest.raises(PreflightError, match="pp=None means one pipeline over the whole world"):
+        PipelinePlan.build()
+
+
+def test_refinement_steps_return_new_plans():
+    plan = _no_pipeline_warning(PipelinePlan.build, pp=2, vpp=2, microbatches=4)
+    assert plan.dp is None and plan.layer_ranges is None
+    sized = plan.with_world(6)
+    assert (sized.world_size, sized.dp) == (6, 3) and plan.dp is None
+    with pytest.raises(PreflightError, match="world size 5 is not divisible by pp=2") as e:
+        plan.with_world(5)
+    assert e.value.key == "pp"
+    layered = sized.with_layers(9)
+    assert layered.split_text == "s0=2 s1=2 s2=2 s3=3"
+    # chunk c of rank r runs stage c*pp + r (the schedule's loop placement)
+    assert layered.stage_layers(0) == [range(0, 2), range(4, 6)]
+    assert layered.stage_layers(1) == [range(2, 4), range(6, 9)]
+    with pytest.raises(PreflightError, match="call with_layers"):
+        sized.stage_layers(0)
+
+
+def test_stage_layers_follow_the_schedule_placement():
+    from types import SimpleNamespace
+
+    plan = _no_pipeline_warning(PipelinePlan.build, pp=2, vpp=2, microbatches=4, num_layers=8)
+    # a schedule with V placement (rank r holds stages r and 2p-1-r) moves the chunks with it
+    v = SimpleNamespace(stages_of=lambda r: (r, 3 - r))
+    import dataclasses
+
+    vplan = dataclasses.replace(plan, schedule=v)
+    assert vplan.stage_layers(0) == [range(0, 2), range(6, 8)]
+    assert vplan.stage_layers(1) == [range(2, 4), range(4, 6)]
+
+
+@pytest.mark.parametrize(
+    "kwargs, key, needle",
+    [
+        ({"microbatches": 0}, "microbatches", "microbatches must be a positive integer, got 0"),
+        ({"vpp": 0}, "vpp", "vpp must be a positive integer, got 0"),
+        ({"partition": "foo"}, "partition", "unknown partition 'foo'; use one of ['uniform'"),
+        ({"partition": "uniformm"}, "partition", "Did you mean 'uniform'?"),
+        ({"partition": [1, "a"]}, "partition", "list of per-stage layer counts (integers)"),
+        ({"watchdog_timeout": 0}, "watchdog_timeout", "positive number of seconds or None"),
+        ({"watchdog_timeout": -3.0}, "watchdog_timeout", "got -3.0"),
+        ({"bucket_cap_mb": -1}, "bucket_cap_mb", "bucket_cap_mb must be a positive number of"),
+        ({"recv_lookahead": 0}, "recv_lookahead", "recv_lookahead must be a positive integer"),
+        ({"accumulate_grad_batches": 0}, "accumulate_grad_batches", "got 0"),
+        ({"world_size": 0}, "world_size", "world_size must be a positive integer, got 0"),
+        ({"num_layers": 3}, "num_layers", "cannot cut num_layers=3 into pp(4)"),
+        ({"partition": [1, 1, 1], "num_layers": 3}, "partition", "explicit split has 3 entries"),
+        ({"batch_size": 0}, "batch_size", "batch_size must be a positive integer, got 0"),
+        ({"schedule": "1f1bb"}, "schedule", "Did you mean '1f1b'?"),
+    ],
+)
+def test_every_rule_names_its_key(kwargs, key, needle):
+    with pytest.raises(PreflightError) as e:
+        _no_pipeline_warning(PipelinePlan.build, **{"pp": 4, **kwargs})
+    assert e.value.key == key and needle in str(e.value)
+
+
+def test_limits_accept_none_and_positive_values():
+    plan = _no_pipeline_warning(
+        PipelinePlan.build, pp=2, watchdog_timeout=None, bucket_cap_mb=0.5, recv_lookahead=1
+    )
+    assert (plan.watchdog_timeout, plan.bucket_cap_mb, plan.recv_lookahead) == (None, 0.5, 1)
+
+
+def test_generator_rules_become_preflight_errors():
+    with pytest.raises(PreflightError) as e:
+        PipelinePlan.build(pp=4, vpp=2, microbatches=6)
+    assert "6 % 4 = 2 < pp=4" in str(e.value) and e.value.key == "schedule"
+
+
+def test_error_pickles_for_the_spawn_launcher():
+    import pickle
+
+    err = pickle.loads(pickle.dumps(PreflightError("x", key="pp")))
+    assert isinstance(err, PreflightError) and str(err) == "x"
+
+
+def test_describe_states_shape_placement_partition_schedule_and_bubble():
+    plan = _no_pipeline_warning(
+        PipelinePlan.build,
+        world_size=8,
+        pp=2,
+        vpp=2,
+        microbatches=4,
+        num_layers=8,
+        batch_size=8,
+        recv_lookahead=8,
+        bucket_cap_mb=25.0,
+    )
+    text = "\n".join(plan.describe())
+    assert "pipeline: pp=2 x dp=4 (world 8), vpp=2: 4 virtual stages, loop placement" in text
+    assert "schedule: interleaved, 4 microbatches, group size 2; simulated bubble" in text
+    assert "partition: uniform, 8 layers: s0=2 s1=2 s2=2 s3=2" in text
+    assert "rank 0 chunk 1 (stage 2): layers 4-5" in text
+    assert "rank 1 chunk 0 (stage 1): layers 2-3" in text
+    assert "batch: 8 per data-parallel replica = 4 microbatches of 2" in text
+    assert "global batch per optimizer step 32" in text
+    assert "communication: recv_lookahead=8 bucket_cap_mb=25" in text
+    named = "\n".join(
+        plan.describe(layer_names=["Embedding"] + ["Block"] * 6 + ["Head"], layer_params=[5] * 8)
+    )
+    assert "rank 0 chunk 0 (stage 0): layers 0-1 (Embedding, Block)  10 params" in named
+    assert "rank 0 total: 20 params" in named
+
+
+def test_describe_without_world_or_layers():
+    with pytest.warns(PipelineWarning):
+        plan = PipelinePlan.build(pp=4, microbatches=2)
+    lines = plan.describe()
+    assert lines[0].startswith("pipeline: pp=4 x dp=? (world decided at run time)")
+    assert any(line.startswith("warning: microbatches=2 < pp=4") for line in lines)
+
+
+def test_build_module_check():
     with pytest.raises(PreflightError, match="_Plain lacks"):
-        preflight(pp=2, module=_Plain(), configured=False)
+        check_module(_Plain(), configured=False)
 
 
-def test_engine_rejects_nothing_preflight_accepts_on_one_process():
-    # a sanity link between preflight and the engine: an accepted pp=1 plan runs
+def test_engine_rejects_nothing_the_plan_accepts_on_one_process():
+    # a sanity link between the plan and the engine: an accepted pp=1 plan runs
     from engine_models import make_chunks, mlp_batch, mlp_layers, mse_loss
 
     from lightning_pp.engine import PipelineEngine
     from lightning_pp.topology import PipelineTopology
 
     plan = _no_pipeline_warning(
-        preflight, pp=1, vpp=2, schedule="gpipe", microbatches=3, num_layers=8, batch_size=5
+        PipelinePlan.build,
+        pp=1,
+        vpp=2,
+        schedule="gpipe",
+        microbatches=3,
+        num_layers=8,
+        batch_size=5,
     )
     topo = PipelineTopology(world_size=1, pp=1, dp=1, rank=0)
     chunks = make_chunks(mlp_layers(0), 1, 2, 0)
     engine = PipelineEngine(chunks, plan.schedule, topo, None, loss_fn=mse_loss("mean"))
     loss = engine.train_step(mlp_batch(0, 5)).loss
     assert torch.isfinite(loss)
+
+
+def test_preflight_module_is_a_reexport_of_the_plan():
+    import lightning_pp.plan as plan_mod
+    import lightning_pp.preflight as shim
+
+    assert shim.PreflightError is plan_mod.PreflightError
+    assert shim.check_world is plan_mod.check_world
