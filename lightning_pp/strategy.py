@@ -3,7 +3,7 @@
 Glue only: it decides *when* Lightning's hooks run and hands the work to its collaborators
 (arrows point at what it calls; docs/strategy.md draws the whole picture)::
 
-    PipelineStrategy -> rules           lightning_pp.preflight: every validity rule and message
+    PipelineStrategy -> PipelinePlan    every default and validity rule, with its message
                      -> LayerPlacement  which rank holds which layers and tied weights
                      -> compat          every private Lightning contact (_lightning_compat)
                      -> precision       clipping by the global norm, as a plugin subclass
@@ -51,17 +51,9 @@ from .microbatch import batch_size_of
 from .model import PipelineLayers, partition_weights, select_layers
 from .partition import PipelineChunk
 from .placement import LayerPlacement
+from .plan import PipelinePlan, PreflightError, check_module, check_settings, default_schedule
 from .precision import GlobalNormClipping, clip_by_global_norm, with_global_norm_clipping
-from .preflight import (
-    PreflightError,
-    check_batch,
-    check_layers,
-    check_module,
-    check_schedule_args,
-    check_world,
-)
 from .process_strategy import ProcessGroupStrategy, StartMethod
-from .schedules import Schedule, check_positive
 from .topology import PipelineTopology, ProcessGroups, build_process_groups
 
 __all__ = ["PipelineStrategy"]
@@ -139,7 +131,7 @@ class PipelineStrategy(ProcessGroupStrategy):
             timeout=timeout,
         )
         self._pp, self.vpp, self._microbatches = pp, vpp, microbatches
-        self.schedule_name = schedule or ("1f1b" if vpp == 1 else "interleaved")
+        self.schedule_name = schedule or default_schedule(vpp)
         self.partition = partition
         self.group_size = group_size
         self.release_outputs = release_outputs
@@ -147,8 +139,9 @@ class PipelineStrategy(ProcessGroupStrategy):
         self.watchdog_timeout = watchdog_timeout
         self.check_finite = check_finite
         self.recv_lookahead = recv_lookahead
-        self._schedule: Schedule | None = None
-        self._check_shape(pp)  # fail at construction, before any process starts
+        #: the checked shape; complete once the world and the module's layers are known
+        self.plan: PipelinePlan | None = None
+        self._check_shape()  # fail at construction, before any process starts
 
         self.topology: PipelineTopology | None = None
         self.groups: ProcessGroups | None = None
@@ -175,7 +168,9 @@ class PipelineStrategy(ProcessGroupStrategy):
 
     @property
     def microbatches(self) -> int:
-        return self._microbatches if self._microbatches is not None else self.pp
+        if self.plan is not None:
+            return self.plan.microbatches
+        return self._microbatches or self.pp  # pp=None before the world is known: the plan's rule
 
     @property
     def layer_ranges(self) -> list[range] | None:
@@ -191,57 +186,60 @@ class PipelineStrategy(ProcessGroupStrategy):
         return {"num_replicas": self.dp, "rank": self.global_rank % self.dp}
 
     # ------------------------------------------------------------------ rules
-    # Every validity rule the strategy applies, in one place (the rules and their messages live
-    # in lightning_pp.preflight). Each runs on every rank alike, before any communication that a
-    # bad value would hang.
-    def _check_shape(self, pp: int | None) -> None:
-        sizes = {"pp": pp, "vpp": self.vpp, "microbatches": self._microbatches}
-        check_positive(**{k: v for k, v in sizes.items() if v is not None})
-        if self.recv_lookahead is not None:
-            check_positive(recv_lookahead=self.recv_lookahead)
-        if pp is not None:  # the generators' rules, a did-you-mean, a warning for m < pp
-            self._schedule = check_schedule_args(
-                self.schedule_name, pp, self._microbatches, self.vpp, self.group_size
-            )
+    # Every validity rule the strategy applies, through its PipelinePlan (lightning_pp.plan holds
+    # the rules and their messages). Each runs on every rank alike, before any communication
+    # that a bad value would hang.
+    def _settings(self) -> dict[str, Any]:
+        names = ("vpp", "partition", "group_size", "recv_lookahead", "bucket_cap_mb")
+        return {
+            **{name: getattr(self, name) for name in names},
+            "microbatches": self._microbatches,
+            "watchdog_timeout": self.watchdog_timeout,
+            "schedule": self.schedule_name,
+        }
+
+    def _check_shape(self) -> None:
+        """At construction: the settings, and the whole shape when ``pp`` is given."""
+        if self._pp is not None:
+            self.plan = PipelinePlan.build(pp=self._pp, **self._settings())
+        else:  # one pipeline over the world: the shape waits for the world size
+            check_settings(**{k: v for k, v in self._settings().items() if k != "schedule"})
 
     def _check_world(self) -> None:
-        world = self.world_size
         if self.num_processes == 0:
             return  # not connected to a Trainer yet
-        if self._pp is not None and world >= 1:
-            try:
-                check_world(world, self._pp)
-            except PreflightError as e:
-                raise PreflightError(
-                    f"PipelineStrategy(pp={self._pp}) does not divide the world size {world} "
-                    f"(num_nodes={self.num_nodes} x devices={self.num_processes}): {e}"
-                ) from None
-        self._check_shape(self.pp)
+        world = self.world_size
+        plan = self.plan or PipelinePlan.build(pp=world, **self._settings())
+        try:
+            self.plan = plan.with_world(world)
+        except PreflightError as e:
+            raise PreflightError(
+                f"PipelineStrategy(pp={self._pp}) does not divide the world size {world} "
+                f"(num_nodes={self.num_nodes} x devices={self.num_processes}): {e}",
+                key=e.key,
+            ) from None
 
-    def _check_layers(self, layers: PipelineLayers) -> list[range]:
-        """The layer range of every virtual stage; errors show the split that would result."""
+    def _check_layers(self, layers: PipelineLayers) -> None:
+        """Cut the module's layers into stages; errors show the split that would result."""
+        assert self.plan is not None
         params, costs = partition_weights(self.lightning_module, layers, self.partition)
-        return check_layers(
-            layers.num_layers,
-            self.pp,
-            self.vpp,
-            self.partition,
-            layer_params=params,
-            layer_costs=costs,
-        )
+        self.plan = self.plan.with_layers(layers.num_layers, layer_params=params, layer_costs=costs)
+        assert self.plan.layer_ranges is not None
+        self.placement = LayerPlacement(self.plan.schedule, self.plan.layer_ranges)
 
     def _check_batch(self, batch: Any) -> None:
         """Every rank of a pipeline sees the same batch, so a batch too small for the
         microbatches (a short last batch too) raises the same error on all of them, before any
         communication, instead of one rank failing and the rest waiting."""
+        assert self.plan is not None
         try:
             size = batch_size_of(batch)
         except ValueError:
             return  # no batch dimension to split: the engine reports it with the action
         try:
-            check_batch(size, self.microbatches, self.dp)
+            self.plan.check_batch(size)
         except PreflightError as e:
-            raise PreflightError(f"rank {self.global_rank}: {e}") from None
+            raise PreflightError(f"rank {self.global_rank}: {e}", key=e.key) from None
 
     def _check_module(self, module: Any, layers: PipelineLayers | None = None) -> None:
         """Before ``configure_model`` (no ``layers``): the module can be cut. After it: every
@@ -278,9 +276,12 @@ class PipelineStrategy(ProcessGroupStrategy):
     def _select_layers(self, layers: PipelineLayers) -> list[int]:
         """Partition the model once its layer count is known; return this rank's layers."""
         assert self.topology is not None, "the process group must exist before configure_model"
-        assert self._schedule is not None
-        self.placement = LayerPlacement(self._schedule, self._check_layers(layers))
-        return self.placement.local_indices(self.topology.pp_rank)
+        self._check_layers(layers)
+        return self._local_layers()
+
+    def _local_layers(self) -> list[int]:
+        assert self.plan is not None and self.topology is not None
+        return [i for r in self.plan.stage_layers(self.topology.pp_rank) for i in r]
 
     @contextmanager
     @override
@@ -306,8 +307,8 @@ class PipelineStrategy(ProcessGroupStrategy):
         self._check_module(module, layers)
         self.precision_plugin.convert_module(module)
         self.model_to_device()
-        assert self.placement is not None
-        ranges = self.placement.chunk_ranges(self.topology.pp_rank)
+        assert self.plan is not None and self.placement is not None
+        ranges = self.plan.stage_layers(self.topology.pp_rank)
         self.chunks = [PipelineChunk([layers[i] for i in r], indices=r) for r in ranges]
         self.tied_sync = tied_parameter_sync(layers, self.placement, self.topology, self.groups)
         self.tied_sync.broadcast_weights()  # the copies start from the owner's values
@@ -340,8 +341,7 @@ class PipelineStrategy(ProcessGroupStrategy):
         """Layers built outside ``configure_model`` (every rank built all): drop the others."""
         assert self.topology is not None
         if self.placement is not None:
-            local = self.placement.local_indices(self.topology.pp_rank)
-            if sorted(layers.built_indices) == sorted(local):
+            if sorted(layers.built_indices) == sorted(self._local_layers()):
                 return  # built in configure_model, as intended
         else:
             warnings.warn(
@@ -370,7 +370,7 @@ class PipelineStrategy(ProcessGroupStrategy):
 
         return PipelineEngine(
             self.chunks,
-            self._schedule,
+            self.plan.schedule,
             self.topology,
             self.groups,
             loss_fn=loss_fn,
@@ -385,19 +385,15 @@ class PipelineStrategy(ProcessGroupStrategy):
         )
 
     def _log_start(self) -> None:
-        """Say the run's decisions once (global rank 0): shape, schedule, placement, transfers."""
-        assert self.placement is not None and self._schedule is not None
-        s, sync = self._schedule, self.grad_sync
+        """Say the run's decisions once (global rank 0): shape, placement, partition per rank,
+        schedule, and what the engine resolved for the transfers."""
+        assert self.plan is not None and self.grad_sync is not None
+        for line in self.plan.describe():
+            log.info(line)
         log.info(
-            f"pipeline: pp={self.pp} x dp={self.dp} (world {self.world_size}), vpp={self.vpp}, "
-            f"schedule {s.name} ({s.placement} placement), {s.microbatches} microbatches, "
-            f"partition {self.partition!r}"
-        )
-        for line in self.placement.describe():
-            log.info(f"pipeline: {line}")
-        log.info(
-            f"pipeline: receive lookahead {self.engine.recv_lookahead} action(s); data-parallel "
-            f"buckets of {self.bucket_cap_mb:g} MB ({sync.num_buckets if sync else 0} on rank 0)"
+            f"engine: receive lookahead {self.engine.recv_lookahead} action(s); data-parallel "
+            f"all-reduce in buckets of {self.bucket_cap_mb:g} MB ({self.grad_sync.num_buckets} "
+            f"on rank 0, dp={self.dp})"
         )
 
     # ------------------------------------------------------------------ training
