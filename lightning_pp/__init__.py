@@ -12,6 +12,7 @@ whenever Lightning is already imported (``import lightning`` first), and which a
 from __future__ import annotations
 
 import importlib
+import logging
 import sys
 from typing import Any
 
@@ -26,6 +27,15 @@ _EXPORTS = {
 }
 
 __all__ = [*sorted(_EXPORTS), "__version__", "register_strategy"]
+
+# Decisions (shape, placement, schedule, ...) are logged at INFO under the ``lightning_pp``
+# logger; module loggers are its children. As Lightning does for ``lightning.pytorch``: shown on
+# stderr unless the application configured logging itself (a root handler), then left to it.
+_logger = logging.getLogger(__name__)
+if not logging.getLogger().hasHandlers() and not _logger.handlers:
+    _logger.setLevel(logging.INFO)
+    _logger.addHandler(logging.StreamHandler())
+    _logger.propagate = False
 
 
 def register_strategy() -> None:

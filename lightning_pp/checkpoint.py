@@ -41,6 +41,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from ._lightning_compat import configure_optimizers_and_schedulers, load_file
+
 __all__ = [
     "CheckpointError",
     "FORMAT",
@@ -50,8 +52,12 @@ __all__ = [
     "is_pipeline_checkpoint",
     "load_model_shard",
     "load_optimizer_shard",
+    "load_pipeline_checkpoint",
     "optimizer_state_by_name",
+    "module_optimizer_state",
     "read_index",
+    "remove_checkpoint_dir",
+    "save_pipeline_checkpoint",
     "save_sharded_checkpoint",
     "tied_canonical_names",
 ]
@@ -515,6 +521,103 @@ def _shape(index: Mapping[str, Any]) -> str:
     return ", ".join(f"{k}={lay[k]}" for k in ("pp", "vpp", "dp") if k in lay) or "unknown shape"
 
 
+# ---------------------------------------------------------------------------------- strategy hooks
+# The bodies of PipelineStrategy.save_checkpoint / load_checkpoint: the strategy passes what it
+# knows (this rank's place, the run's layout) and keeps only the Lightning hook overrides.
+def save_pipeline_checkpoint(
+    checkpoint: dict[str, Any],
+    path: str | os.PathLike,
+    *,
+    module: nn.Module,
+    pp_rank: int,
+    dp_rank: int,
+    layout: Mapping[str, Any],
+    barrier: Callable[[], None] | None = None,
+) -> Path:
+    """Collective: write this rank's shard of a Lightning ``checkpoint`` into directory ``path``.
+
+    Only ``dp_rank == 0`` of each pipeline rank writes tensors (replicas are identical). The
+    module's class is recorded so ``lightning-pp consolidate --lightning`` can rebuild the
+    unpipelined module.
+    """
+    cls = type(module)
+    checkpoint["lightning_pp"] = {"module_class": f"{cls.__module__}:{cls.__qualname__}"}
+    return save_sharded_checkpoint(
+        checkpoint,
+        path,
+        tag=f"pp{pp_rank}" if dp_rank == 0 else None,
+        canonical=tied_canonical_names(module, module.pipeline_layers()),
+        layout=layout,
+        barrier=barrier,
+    )
+
+
+def load_pipeline_checkpoint(
+    path: str | os.PathLike,
+    module: Any,
+    *,
+    rank: int,
+    optimizers: Sequence[Optimizer] | None = None,
+    scheduler_configs: Sequence[Any] = (),
+    weights_only: bool | None = None,
+) -> dict[str, Any]:
+    """Collective: load this rank's layers (and, when ``optimizers`` is given, their optimizer
+    state) by name; return Lightning's metadata dict.
+
+    Works whatever pipeline shape wrote the checkpoint: names do not depend on it. A failure on
+    any rank is raised on every rank, so none is left waiting in a collective. With
+    ``module.strict_loading``, a saved tensor that no rank of this model loaded is an error.
+    ``scheduler_configs`` (the Trainer's ``lr_scheduler_configs``) get their saved states fitted
+    to THIS rank's param groups (rank 0 saved them for its own).
+    """
+    path = str(path)
+    index = read_index(path)
+    canonical = tied_canonical_names(module, module.pipeline_layers())
+    strict = module.strict_loading
+    used: list[str] = []
+    error = None
+    try:
+        used = load_model_shard(path, module, canonical, strict=strict, index=index)
+        if optimizers is not None:
+            load_optimizer_shard(path, optimizers, module, canonical, index=index)
+    except Exception as exc:
+        error = f"rank {rank}: {type(exc).__name__}: {exc}"
+    gathered = _all_gather((used, error))
+    errors = [e for _, e in gathered if e]
+    if errors:
+        raise RuntimeError(f"loading checkpoint {path!r} failed: " + "; ".join(errors))
+    if strict:
+        saved = {n for names in index["model_files"].values() for n in names}
+        unused = sorted(saved - {n for names, _ in gathered for n in names})
+        if unused:
+            raise RuntimeError(
+                f"checkpoint {path!r}: {len(unused)} saved tensor(s) belong to no rank of "
+                f"this model: {unused[:5]} (set LightningModule.strict_loading=False to allow)"
+            )
+    meta = load_file(f"{path}/{index['meta_file']}", map_location="cpu", weights_only=weights_only)
+    if optimizers is not None and "lr_schedulers" in meta:
+        meta["lr_schedulers"] = [
+            adapt_scheduler_state(state, cfg.scheduler.optimizer)
+            for state, cfg in zip(meta["lr_schedulers"], scheduler_configs)
+        ]
+    return meta
+
+
+def module_optimizer_state(optimizer: Optimizer, module: Any) -> dict[str, Any]:
+    """:func:`optimizer_state_by_name` for a module with pipeline layers (tied names resolved)."""
+    canonical = tied_canonical_names(module, module.pipeline_layers())
+    return optimizer_state_by_name(optimizer, module, canonical)
+
+
+def remove_checkpoint_dir(path: str | os.PathLike) -> None:
+    """Delete a checkpoint directory (or a file, or a dangling link) if it exists."""
+    path = Path(path)
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
 # ---------------------------------------------------------------------------------- consolidate
 def consolidated_state_dict(path: str | os.PathLike) -> dict[str, Tensor]:
     """All stages' tensors in one dict, tied members expanded (same tensor under each name)."""
@@ -568,12 +671,6 @@ def consolidate_checkpoint(
 
 
 def _lightning_checkpoint(path: Path, state: dict[str, Tensor], module: Any) -> dict[str, Any]:
-    from lightning.pytorch.core.optimizer import (
-        _configure_optimizers,
-        _configure_schedulers_automatic_opt,
-        _configure_schedulers_manual_opt,
-    )
-
     index = read_index(path)
     meta = torch.load(path / index["meta_file"], map_location="cpu", weights_only=False)
     if getattr(module, "layers", None) is None and hasattr(module, "configure_model"):
@@ -581,11 +678,7 @@ def _lightning_checkpoint(path: Path, state: dict[str, Tensor], module: Any) -> 
     module.load_state_dict(state, strict=True)
     layers = module.pipeline_layers() if hasattr(module, "pipeline_layers") else None
     canonical = tied_canonical_names(module, layers) if layers is not None else {}
-    optimizers, schedulers, monitor = _configure_optimizers(module.configure_optimizers())
-    if getattr(module, "automatic_optimization", True):
-        scheduler_configs = _configure_schedulers_automatic_opt(schedulers, monitor)
-    else:
-        scheduler_configs = _configure_schedulers_manual_opt(schedulers)
+    optimizers, scheduler_configs = configure_optimizers_and_schedulers(module)
     ckpt = dict(meta)
     ckpt["state_dict"] = state
     if index["optim_files"] and optimizers:

@@ -25,7 +25,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-__all__ = ["DeferredGradSync", "LaunchEvent", "TiedGroup", "TiedParameterSync", "global_grad_norm"]
+__all__ = [
+    "DeferredGradSync",
+    "LaunchEvent",
+    "TiedGroup",
+    "TiedParameterSync",
+    "global_grad_norm",
+    "tied_parameter_sync",
+]
 
 
 @dataclass(frozen=True)
@@ -65,7 +72,7 @@ class DeferredGradSync:
             shared by several chunks is reduced with the lowest-numbered one (whose last backward
             comes last in every schedule).
         group: the data-parallel process group.
-        group_size: number of replicas (the average divides by it).
+        dp_size: number of data-parallel replicas (the average divides by it).
         bucket_cap_mb: bucket size.
 
     Example (inside a step)::
@@ -79,11 +86,11 @@ class DeferredGradSync:
         self,
         chunk_params: Sequence[Sequence[nn.Parameter]],
         group: Any,
-        group_size: int,
+        dp_size: int,
         bucket_cap_mb: float = 25.0,
     ) -> None:
         self.group = group
-        self.group_size = group_size
+        self.dp_size = dp_size
         self.enabled = True
         seen: set[int] = set()
         owned: list[list[nn.Parameter]] = [[] for _ in chunk_params]
@@ -108,7 +115,7 @@ class DeferredGradSync:
 
     def on_chunk_grads_ready(self, chunk: int) -> None:
         """Engine hook: chunk ``chunk`` has run its last backward of the step."""
-        if not self.enabled or self.group_size == 1 or chunk in self._launched:
+        if not self.enabled or self.dp_size == 1 or chunk in self._launched:
             return
         self._launched.add(chunk)
         for b, bucket in enumerate(self.chunk_buckets[chunk]):
@@ -119,7 +126,7 @@ class DeferredGradSync:
                 ]
             )
             # Pre-divide (as DDP does) so the SUM is the average and large sums cannot overflow.
-            flat.div_(self.group_size)
+            flat.div_(self.dp_size)
             self.events.append(LaunchEvent(chunk, b, flat.numel(), time.perf_counter()))
             handle = dist.all_reduce(flat, group=self.group, async_op=True)
             self._pending.append((handle, flat, bucket))
@@ -130,7 +137,7 @@ class DeferredGradSync:
         Chunks the engine did not report (e.g. a chunk without backward work) are launched here,
         so every replica issues the same collectives in the same order.
         """
-        if self.enabled and self.group_size > 1:
+        if self.enabled and self.dp_size > 1:
             for c in range(len(self.chunk_buckets)):
                 self.on_chunk_grads_ready(c)
         for handle, flat, bucket in self._pending:
@@ -191,6 +198,39 @@ class TiedParameterSync:
     def non_owner_params(self) -> set[int]:
         """ids of local copies that a global norm must not count again."""
         return {id(g.param) for g in self.groups if not g.is_owner}
+
+
+def tied_parameter_sync(
+    layers: Any, placement: Any, topology: Any, groups: Any
+) -> TiedParameterSync:
+    """Collective (every rank, same order): one process group per tied weight whose copies live
+    on several pipeline ranks (one per data-parallel replica), and this rank's view of each.
+
+    ``layers``: this rank's :class:`~lightning_pp.model.PipelineLayers` (``layers.tied`` lists
+    each group's names, canonical first); ``placement``: the
+    :class:`~lightning_pp.placement.LayerPlacement` saying which pipeline rank holds which layer.
+    """
+    from .model import layer_of
+
+    tied: list[TiedGroup] = []
+    for names in layers.tied:
+        pp_ranks, owner = placement.tied_ranks(layer_of(n) for n in names)
+        if len(pp_ranks) < 2:
+            continue
+        lists = [[topology.global_rank(r, d) for r in pp_ranks] for d in range(topology.dp)]
+        group = groups.new_groups(lists)  # collective: every rank creates every group
+        local = [n for n in names if layer_of(n) in layers]
+        if local:
+            tied.append(
+                TiedGroup(
+                    names=tuple(names),
+                    param=layers.get_parameter(local[0]),
+                    owner_rank=topology.global_rank(owner),
+                    ranks=lists[topology.dp_rank],
+                    group=group,
+                )
+            )
+    return TiedParameterSync(tied)
 
 
 def global_grad_norm(

@@ -28,6 +28,8 @@ __all__ = [
     "LayerSelector",
     "PipelineLayers",
     "PipelineMixin",
+    "layer_of",
+    "partition_weights",
     "select_layers",
 ]
 
@@ -94,6 +96,37 @@ def _split_name(name: str) -> tuple[int, str]:
             f"tied parameter name {name!r} must start with a layer index, e.g. '0.wte.weight'"
         )
     return int(head), rest
+
+
+def layer_of(name: str) -> int:
+    """The layer index a parameter name relative to :class:`PipelineLayers` starts with.
+
+    >>> layer_of("5.head.weight")
+    5
+    """
+    return _split_name(name)[0]
+
+
+def partition_weights(
+    module: Any, layers: PipelineLayers, partition: Any
+) -> tuple[list[int] | None, list[float] | None]:
+    """``(layer_params, layer_costs)`` a partition method needs from the module, else ``None``.
+
+    ``"parameters"``: the module's :meth:`PipelineMixin.pipeline_layer_params`, or counted by
+    building each layer on the meta device. ``"cost"``: :meth:`PipelineMixin.pipeline_layer_costs`
+    (required).
+    """
+    if partition == "parameters":
+        params = getattr(module, "pipeline_layer_params", lambda: None)()
+        return (layers.layer_param_counts() if params is None else params), None
+    if partition == "cost":
+        costs = getattr(module, "pipeline_layer_costs", lambda: None)()
+        if costs is None:
+            raise ValueError(
+                "partition='cost' needs the module to implement pipeline_layer_costs()"
+            )
+        return None, costs
+    return None, None
 
 
 class PipelineLayers(nn.Module):
@@ -282,23 +315,25 @@ class PipelineMixin:
         """Optional relative compute cost per layer for ``partition="cost"``."""
         return None
 
-    def pipeline_eval_step(self, output: Any, batch: Any, stage: str) -> dict[str, Tensor]:
+    def pipeline_eval_step(self, output: Any, batch: Any, split: str) -> dict[str, Tensor]:
         """Scalar metrics of one evaluation batch, computed from the last layer's output.
 
         Runs on the process that holds the last layer (under the pipeline: the last stage, with
-        the outputs of all microbatches concatenated). ``stage`` is ``"val"`` or ``"test"``.
+        the outputs of all microbatches concatenated). ``split`` is ``"val"`` or ``"test"`` (the
+        data split, not a pipeline stage).
         The strategy averages the values over data-parallel replicas and gives them to every
         rank, so monitors (``ModelCheckpoint(monitor="val_loss")``) work on all ranks.
         """
-        return {f"{stage}_loss": self.pipeline_loss(output, batch)}
+        return {f"{split}_loss": self.pipeline_loss(output, batch)}
 
     # -- logging, shared by the plain path and the strategy --------------------------------
     def pipeline_log_train_loss(self, loss: Tensor) -> None:
         """Log the training loss (the strategy calls this with the pipeline's loss)."""
         self.log(self.train_loss_name, loss, prog_bar=True, on_step=True, on_epoch=False)
 
-    def pipeline_log_eval(self, values: dict[str, Tensor], stage: str) -> None:
-        """Log evaluation values (epoch means), identical on every rank."""
+    def pipeline_log_eval(self, values: dict[str, Tensor], split: str) -> None:
+        """Log evaluation values (epoch means), identical on every rank; ``split``: ``"val"`` or
+        ``"test"``."""
         self.log_dict(values, prog_bar=True, on_step=False, on_epoch=True)
 
     # -- the plain, single-process path ----------------------------------------------------

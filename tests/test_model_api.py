@@ -123,9 +123,9 @@ def test_grad_sync_buckets_and_shared_params():
     shared = nn.Parameter(torch.zeros(10))
     a, b = nn.Parameter(torch.zeros(300)), nn.Parameter(torch.zeros(300))
     sync = DeferredGradSync(
-        [[a, shared], [b, shared]], group=None, group_size=2, bucket_cap_mb=1000 * 4 / 2**20
+        [[a, shared], [b, shared]], group=None, dp_size=2, bucket_cap_mb=1000 * 4 / 2**20
     )
     # the shared parameter is reduced once, with chunk 0 (whose backward ends last)
     assert [[len(bk) for bk in c] for c in sync.chunk_buckets] == [[2], [1]]
-    small = DeferredGradSync([[a, b]], group=None, group_size=2, bucket_cap_mb=400 * 4 / 2**20)
+    small = DeferredGradSync([[a, b]], group=None, dp_size=2, bucket_cap_mb=400 * 4 / 2**20)
     assert small.num_buckets == 2

@@ -238,7 +238,7 @@ def test_two_nodes_on_loopback_match_single_node(tmp_path, four_proc, references
 def test_world_check_is_preflight_with_divisors():
     import lightning as L
 
-    from lightning_pp.preflight import PreflightError
+    from lightning_pp.plan import PreflightError
     from lightning_pp.strategy import PipelineStrategy
 
     with pytest.raises(PreflightError) as err:
@@ -253,7 +253,7 @@ def test_world_check_is_preflight_with_divisors():
 def test_layer_split_check_is_preflight_and_shows_the_split():
     from types import SimpleNamespace
 
-    from lightning_pp.preflight import PreflightError
+    from lightning_pp.plan import PreflightError
     from lightning_pp.strategy import PipelineStrategy
     from lightning_pp.topology import PipelineTopology
 

@@ -8,6 +8,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 
+from .._lightning_compat import logging_step
 from ..records import StepRecord
 from ..schedules import Op
 from .gather import GatheredStep, gather_cached
@@ -31,10 +32,8 @@ class PipelineCallback(Callback):
     # -- when -----------------------------------------------------------------------------
     @staticmethod
     def _step(trainer: pl.Trainer) -> int:
-        """Lightning's logging step: optimizer steps taken before this batch's (private counter,
-        with the public ``global_step`` as a fallback)."""
-        loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
-        return int(getattr(loop, "_batches_that_stepped", trainer.global_step))
+        """Lightning's logging step: optimizer steps taken before this batch's."""
+        return logging_step(trainer)
 
     def _due(self, trainer: pl.Trainer) -> bool:
         n = self.every_n_steps if self.every_n_steps is not None else trainer.log_every_n_steps

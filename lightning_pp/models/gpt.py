@@ -147,12 +147,12 @@ class GPT(PipelineMixin, L.LightningModule):
     def pipeline_loss(self, output: Tensor, batch: Any) -> Tensor:
         return F.cross_entropy(output.flatten(0, 1).float(), batch[1].flatten())
 
-    def pipeline_eval_step(self, output: Tensor, batch: Any, stage: str) -> dict[str, Tensor]:
+    def pipeline_eval_step(self, output: Tensor, batch: Any, split: str) -> dict[str, Tensor]:
         preds = output.argmax(dim=-1).flatten()
         acc = multiclass_accuracy(
             preds, batch[1].flatten(), num_classes=self.hparams.vocab_size, average="micro"
         )
-        return {f"{stage}_loss": self.pipeline_loss(output, batch), f"{stage}_acc": acc}
+        return {f"{split}_loss": self.pipeline_loss(output, batch), f"{split}_acc": acc}
 
     # -- optimisation --------------------------------------------------------------------
     def configure_optimizers(self) -> Any:

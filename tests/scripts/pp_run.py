@@ -131,7 +131,7 @@ def run(cfg: dict, devices: int, out: str) -> None:
             "val": rec.val,
             "best": os.path.basename(trainer.checkpoint_callback.best_model_path),
             "local_layers": local_layers,
-            "expected_layers": strategy._local_indices(),
+            "expected_layers": strategy.placement.local_indices(strategy.topology.pp_rank),
             "layer_ranges": [[r.start, r.stop] for r in strategy.layer_ranges],
             "param_count": sum(p.numel() for p in params),
             "expected_param_count": sum(meta_counts[i] for i in local_layers),

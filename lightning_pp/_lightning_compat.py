@@ -1,0 +1,251 @@
+"""Every contact lightning_pp has with private Lightning (and torch) internals, in one place.
+
+Written against Lightning 2.6 (2.6.6 tested). Each helper says what it touches and why no public
+API does the job. When Lightning changes one of these, this module is the only one to fix;
+``tests/test_lightning_private.py`` fails if a private Lightning name appears anywhere else in the
+package.
+
+Not listed here because they are *overrides*, not calls: ``PipelineStrategy._configure_launcher``
+(the accelerator connector calls this private hook of ``Strategy`` to ask a strategy for its
+launcher; every Lightning strategy overrides it) and the ``_launcher`` attribute it sets.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.optim import Optimizer
+
+if TYPE_CHECKING:  # only for annotations: importing Lightning at module load is not needed
+    import lightning.pytorch as pl
+    from lightning.fabric.plugins import ClusterEnvironment
+    from lightning.pytorch.strategies.strategy import Strategy
+
+__all__ = [
+    "StrategyRegistryType",
+    "call_zero_grad_hooks",
+    "configure_optimizers_and_schedulers",
+    "default_process_group_backend",
+    "default_store",
+    "distributed_is_initialized",
+    "init_dist_connection",
+    "load_file",
+    "logging_step",
+    "multiprocessing_launcher",
+    "optimizers_to_device",
+    "reset_optimizers_and_schedulers",
+    "set_skip_backward",
+    "should_accumulate",
+    "subprocess_script_launcher",
+    "sync_ddp_if_available",
+    "trainer_of",
+]
+
+# Annotation of ``Strategy.register_strategies(strategy_registry)``: Lightning's own signature
+# names the private ``_StrategyRegistry`` class (the public ``StrategyRegistry`` is an instance).
+StrategyRegistryType = Any
+
+
+# ------------------------------------------------------------------------------- the fit loop
+def set_skip_backward(trainer: pl.Trainer | None, skip: bool) -> None:
+    """``trainer.fit_loop._skip_backward`` (private property, 2.6).
+
+    Why: the pipeline runs backward inside ``training_step`` (interleaved with forwards); the
+    automatic-optimization closure must then run only the step, not backward again and not
+    ``zero_grad`` between our backward and the optimizer step. Lightning's own
+    ``StochasticWeightAveraging`` and NeMo's Megatron strategy use this same switch.
+    """
+    if trainer is not None:
+        trainer.fit_loop._skip_backward = skip
+
+
+def should_accumulate(trainer: pl.Trainer) -> bool:
+    """``trainer.fit_loop._should_accumulate()`` (private method, 2.6).
+
+    Why: the data-parallel and tied-gradient reductions must run on the last micro-step of an
+    accumulation window only, and Lightning's rule for it (``accumulate_grad_batches``, the end
+    of the epoch, a limited number of batches) exists only as this private method. Re-deriving it
+    would drift from Lightning's decision to step the optimizer.
+    """
+    return bool(trainer.fit_loop._should_accumulate())
+
+
+def call_zero_grad_hooks(trainer: pl.Trainer, optimizer: Optimizer, batch_idx: int) -> None:
+    """Lightning's zero-grad sequence: ``on_before_zero_grad`` (callbacks, then module) and
+    ``LightningModule.optimizer_zero_grad``, via ``trainer.call._call_*_hook`` (private, 2.6).
+
+    Why: with backward skipped (see :func:`set_skip_backward`) the closure no longer zeroes the
+    gradients; the strategy must, at the start of each accumulation window, and users' hooks
+    expect to run then. The private callers add the profiler sections and ``_current_fx_name``
+    bookkeeping (for ``self.log`` inside the hooks) that calling the hooks directly would miss.
+    """
+    from lightning.pytorch.trainer import call
+
+    call._call_callback_hooks(trainer, "on_before_zero_grad", optimizer)
+    call._call_lightning_module_hook(trainer, "on_before_zero_grad", optimizer)
+    call._call_lightning_module_hook(
+        trainer, "optimizer_zero_grad", trainer.current_epoch, batch_idx, optimizer
+    )
+
+
+def logging_step(trainer: pl.Trainer) -> int:
+    """The step Lightning logs metrics at: ``fit_loop.epoch_loop._batches_that_stepped``
+    (private counter, 2.6), falling back to the public ``global_step``.
+
+    Why: callbacks that write to the loggers directly must use the same x-axis as ``self.log``;
+    ``global_step`` differs from it (it counts every optimizer's steps).
+    """
+    loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    return int(getattr(loop, "_batches_that_stepped", trainer.global_step))
+
+
+def trainer_of(module: pl.LightningModule | None) -> pl.Trainer | None:
+    """``LightningModule._trainer`` (private attribute, 2.6), or ``None``.
+
+    Why: the public ``module.trainer`` raises when no trainer is attached; teardown must work
+    whether or not one is.
+    """
+    return None if module is None else module._trainer
+
+
+# ------------------------------------------------------------------------------- the strategy
+def reset_optimizers_and_schedulers(strategy: Strategy) -> None:
+    """``Strategy._reset_optimizers_and_schedulers()`` (private, 2.6).
+
+    Why: ``setup`` creates the optimizers after the model was cut to this rank's layers; a
+    strategy reused across ``fit`` calls must drop the previous ones first, as Lightning's own
+    ``Strategy.setup`` does through this method.
+    """
+    strategy._reset_optimizers_and_schedulers()
+
+
+def optimizers_to_device(optimizers: list[Optimizer], device: torch.device) -> None:
+    """``lightning.fabric.utilities.optimizer._optimizers_to_device`` (private, 2.6).
+
+    Why: optimizer state restored from a checkpoint sits on the CPU; it must follow the
+    parameters to this rank's device, as Lightning's ``Strategy.setup`` does with this helper.
+    """
+    from lightning.fabric.utilities.optimizer import _optimizers_to_device
+
+    _optimizers_to_device(optimizers, device)
+
+
+def subprocess_script_launcher(
+    cluster_environment: ClusterEnvironment, num_processes: int, num_nodes: int
+) -> Any:
+    """``lightning.pytorch.strategies.launchers._SubprocessScriptLauncher`` (private, 2.6).
+
+    Why: ``start_method="popen"`` launches like ``strategy="ddp"`` (re-run the script per local
+    rank; nothing when torchrun/SLURM started the processes); Lightning exposes the launcher only
+    as this private class.
+    """
+    from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
+
+    return _SubprocessScriptLauncher(cluster_environment, num_processes, num_nodes)
+
+
+def multiprocessing_launcher(strategy: Strategy, start_method: str) -> Any:
+    """``lightning.pytorch.strategies.launchers._MultiProcessingLauncher`` (private, 2.6).
+
+    Why: ``start_method="spawn"/"fork"`` launches in-process like ``strategy="ddp_spawn"``
+    (needed under pytest and notebooks); private class, as above.
+    """
+    from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
+
+    return _MultiProcessingLauncher(strategy, start_method=start_method)
+
+
+# ------------------------------------------------------------------------------- distributed
+def distributed_is_initialized() -> bool:
+    """``lightning.fabric.utilities.distributed._distributed_is_initialized`` (private, 2.6).
+
+    Why: the same test Lightning's strategies use (``torch.distributed.is_initialized`` is not
+    defined on builds without distributed support).
+    """
+    from lightning.fabric.utilities.distributed import _distributed_is_initialized
+
+    return _distributed_is_initialized()
+
+
+def default_process_group_backend(device: torch.device) -> str:
+    """``_get_default_process_group_backend_for_device`` (private, 2.6): gloo on CPU, nccl on
+    CUDA, ... Why: pick the backend exactly as ``strategy="ddp"`` would."""
+    from lightning.fabric.utilities.distributed import (
+        _get_default_process_group_backend_for_device,
+    )
+
+    return _get_default_process_group_backend_for_device(device)
+
+
+def init_dist_connection(
+    cluster_environment: ClusterEnvironment, backend: str, **kwargs: Any
+) -> None:
+    """``lightning.fabric.utilities.distributed._init_dist_connection`` (private, 2.6).
+
+    Why: initialises the default process group from the cluster environment (MASTER_ADDR/PORT,
+    ranks) exactly like Lightning's DDP/FSDP strategies, including its checks and env setup.
+    """
+    from lightning.fabric.utilities.distributed import _init_dist_connection
+
+    _init_dist_connection(cluster_environment, backend, **kwargs)
+
+
+def sync_ddp_if_available(tensor: torch.Tensor, group: Any, reduce_op: Any) -> torch.Tensor:
+    """``lightning.fabric.utilities.distributed._sync_ddp_if_available`` (private, 2.6).
+
+    Why: ``Strategy.reduce`` (used by ``self.log(sync_dist=True)``) must reduce with Lightning's
+    semantics (``"mean"``/``"sum"`` strings, a no-op without a process group).
+    """
+    from lightning.fabric.utilities.distributed import _sync_ddp_if_available
+
+    return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+
+
+def default_store() -> Any:
+    """The default process group's key-value store, or ``None`` (torch private:
+    ``torch.distributed.distributed_c10d._get_default_store``, torch 2.x).
+
+    Why: a failure outside the engine (a callback, a Lightning hook) is published on the store so
+    the other ranks stop instead of waiting in their next transfer.
+    """
+    import torch.distributed as dist
+
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # no default group, or the private API moved: no failure channel
+        return None
+
+
+# ------------------------------------------------------------------------------- checkpoints
+def load_file(path: str, *, map_location: Any = None, weights_only: bool | None = None) -> Any:
+    """``lightning.fabric.utilities.cloud_io._load`` (private, 2.6).
+
+    Why: Lightning's checkpoint loader (local paths and fsspec URLs, and its ``weights_only``
+    default) for the metadata file, so it loads exactly as Lightning's own checkpoints do.
+    """
+    from lightning.fabric.utilities.cloud_io import _load
+
+    return _load(path, map_location=map_location, weights_only=weights_only)
+
+
+def configure_optimizers_and_schedulers(module: Any) -> tuple[list[Optimizer], list[Any]]:
+    """Call ``module.configure_optimizers()`` and normalise it the way the Trainer does:
+    ``lightning.pytorch.core.optimizer._configure_optimizers`` and
+    ``_configure_schedulers_{automatic,manual}_opt`` (private, 2.6).
+
+    Why: consolidating a checkpoint into a plain Lightning one rebuilds the optimizers and
+    scheduler configs outside any Trainer; every return form ``configure_optimizers`` accepts
+    (dicts, lists, tuples, monitors) is parsed only by these private functions.
+    Returns ``(optimizers, lr_scheduler_configs)``.
+    """
+    from lightning.pytorch.core.optimizer import (
+        _configure_optimizers,
+        _configure_schedulers_automatic_opt,
+        _configure_schedulers_manual_opt,
+    )
+
+    optimizers, schedulers, monitor = _configure_optimizers(module.configure_optimizers())
+    if getattr(module, "automatic_optimization", True):
+        return optimizers, _configure_schedulers_automatic_opt(schedulers, monitor)
+    return optimizers, _configure_schedulers_manual_opt(schedulers)
