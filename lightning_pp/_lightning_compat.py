@@ -23,7 +23,6 @@ if TYPE_CHECKING:  # only for annotations: importing Lightning at module load is
     from lightning.pytorch.strategies.strategy import Strategy
 
 __all__ = [
-    "StrategyRegistryType",
     "call_zero_grad_hooks",
     "configure_optimizers_and_schedulers",
     "default_process_group_backend",
@@ -41,10 +40,6 @@ __all__ = [
     "sync_ddp_if_available",
     "trainer_of",
 ]
-
-# Annotation of ``Strategy.register_strategies(strategy_registry)``: Lightning's own signature
-# names the private ``_StrategyRegistry`` class (the public ``StrategyRegistry`` is an instance).
-StrategyRegistryType = Any
 
 
 # ------------------------------------------------------------------------------- the fit loop
