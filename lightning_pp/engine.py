@@ -141,6 +141,12 @@ class PipelineEngine:
 
     The batch given to ``train_step``/``eval_step`` must already be on ``device``; every rank of
     a pipeline gets the same batch (the first stage reads inputs, the last stage the targets).
+
+    Besides the arguments, it holds what lives across steps: ``places`` (one
+    :class:`~lightning_pp.engine_step.ChunkPlace` per local chunk, from the schedule's
+    placement), ``comm`` (the :class:`~lightning_pp.p2p.P2PCommunicator`), ``monitor``,
+    ``finite_checker`` (``None`` unless ``check_finite``) and ``param_storages``. Everything of
+    one step lives in a :class:`~lightning_pp.engine_step.StepRun`.
     """
 
     def __init__(
