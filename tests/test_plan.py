@@ -457,11 +457,3 @@ def test_engine_rejects_nothing_the_plan_accepts_on_one_process():
     engine = PipelineEngine(chunks, plan.schedule, topo, None, loss_fn=mse_loss("mean"))
     loss = engine.train_step(mlp_batch(0, 5)).loss
     assert torch.isfinite(loss)
-
-
-def test_preflight_module_is_a_reexport_of_the_plan():
-    import lightning_pp.plan as plan_mod
-    import lightning_pp.preflight as shim
-
-    assert shim.PreflightError is plan_mod.PreflightError
-    assert shim.check_world is plan_mod.check_world

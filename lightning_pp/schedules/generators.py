@@ -16,7 +16,7 @@ from .actions import Action, Op, Schedule
 def check_positive(error: type[Exception] = ValueError, **values: object) -> None:
     """Raise ``error`` naming the first of ``values`` that is not a positive int (bools too).
 
-    The one place for this check: schedules, partition, topology, preflight and the strategy
+    The one place for this check: schedules, partition, topology, the plan and the strategy
     all report it in the same words.
     """
     for name, value in values.items():
