@@ -385,7 +385,7 @@ class StepRun:
         if tensors:
             # The autograd engine directly: torch.autograd.backward would reject a released
             # output whose storage no longer matches its gradient's shape.
-            torch.autograd.Variable._execution_engine.run_backward(  # type: ignore[attr-defined]
+            torch.autograd.Variable._execution_engine.run_backward(
                 tensors, grads, False, False, (), True, True
             )
         if place.first:
