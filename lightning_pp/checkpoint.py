@@ -348,7 +348,13 @@ def _load_file(path: Path) -> Any:
         # mmap: a rank pages in only the tensors it takes, not whole stage files
         return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except pickle.UnpicklingError as exc:
-        raise _unpickling_error(path, exc) from None
+        found = _DISALLOWED.search(str(exc))
+        if found is None:
+            raise _unpickling_error(path, exc) from None
+        raise CheckpointError(  # never legitimate here: the writer saves tensors and names only
+            f"{path}: refusing to unpickle {found.group(1)!r}: a lightning_pp tensor file holds "
+            f"only tensors, numbers and strings; the file was tampered with or is foreign"
+        ) from None
     except Exception as exc:  # a truncated zip, a directory, permissions: name the file
         raise CheckpointError(
             f"{path}: cannot be read as a torch.save file ({type(exc).__name__}: "

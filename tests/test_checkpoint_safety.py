@@ -158,6 +158,16 @@ def test_resume_refuses_pickled_code(ckpt, tmp_path):
     assert not marker.exists()
 
 
+def test_tensor_files_never_unpickle_code(ckpt, tmp_path):
+    marker = tmp_path / "PWNED"
+    shard = torch.load(ckpt / "model.pp1.pt", weights_only=True)
+    shard[next(iter(shard))] = _WritesMarker(marker)
+    torch.save(shard, ckpt / "model.pp1.pt")
+    with pytest.raises(CheckpointError, match=r"model\.pp1\.pt: refusing to unpickle 'posix"):
+        consolidate_checkpoint(ckpt)
+    assert not marker.exists()
+
+
 def test_trusted_load_is_explicit(ckpt, tmp_path):
     """``weights_only=False`` (``--trust-checkpoint``, ``Trainer.fit(weights_only=False)``)
     unpickles anything: only on request."""
