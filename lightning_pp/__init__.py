@@ -20,6 +20,7 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "PipelineStrategy": "lightning_pp.strategy",
+    "PipelineCheckpointIO": "lightning_pp.checkpoint_io",
     "PipelineLayers": "lightning_pp.model",
     "PipelineMixin": "lightning_pp.model",
     "select_layers": "lightning_pp.model",

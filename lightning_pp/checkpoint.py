@@ -28,8 +28,11 @@ Example::
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
+import pickle
+import re
 import secrets
 import shutil
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -50,6 +53,9 @@ __all__ = [
     "META_FILE",
     "consolidate_checkpoint",
     "is_pipeline_checkpoint",
+    "META_SAFE_GLOBALS",
+    "module_from_checkpoint",
+    "load_metadata",
     "load_model_shard",
     "load_optimizer_shard",
     "load_pipeline_checkpoint",
@@ -251,7 +257,13 @@ def is_pipeline_checkpoint(path: str | os.PathLike) -> bool:
 
 
 def read_index(path: str | os.PathLike) -> dict[str, Any]:
-    """Read and check ``index.json``; raise :class:`CheckpointError` for anything incomplete."""
+    """Read and check ``index.json``; raise :class:`CheckpointError` for anything incomplete.
+
+    Checks what the index alone can show: it parses, every listed file exists, every stage of
+    the recorded layout (``pp``) has its model (and, if any, optimizer) file, every tensor name is
+    stored in exactly one file, and every tied group's canonical tensor is stored. Whether the
+    files hold what the index says is checked when they are read (:func:`_load_shard`).
+    """
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"checkpoint {str(path)!r} does not exist")
@@ -266,23 +278,249 @@ def read_index(path: str | os.PathLike) -> dict[str, Any]:
             f"checkpoint directory {str(path)!r} has no {INDEX_FILE}: it is incomplete{hint} or "
             f"not a lightning_pp checkpoint; refusing to load it"
         )
-    index = json.loads(index_path.read_text())
-    if index.get("format") != FORMAT or not index.get("complete"):
+    try:
+        index = json.loads(index_path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{index_path}: cannot be read as JSON ({exc})") from None
+    if not isinstance(index, dict) or index.get("format") != FORMAT or not index.get("complete"):
         raise CheckpointError(f"{index_path} is not a complete {FORMAT} index")
     if index.get("version", 0) > VERSION:
         raise CheckpointError(
             f"{index_path} has format version {index['version']}; this lightning_pp reads <= "
             f"{VERSION}"
         )
+    _check_index(index_path, index)
     for name in [*index["model_files"], *index["optim_files"], index["meta_file"]]:
         if not (path / name).is_file():
             raise CheckpointError(f"checkpoint {str(path)!r} lacks {name} listed in its index")
     return index
 
 
+_STAGE_FILE = re.compile(r"(model|optim)\.pp(\d+)\.pt")
+
+
+def _check_index(index_path: Path, index: dict[str, Any]) -> None:
+    """The index's own consistency (see :func:`read_index`); raise naming what is wrong."""
+    kinds = {"layout": dict, "meta_file": str, "model_files": dict, "optim_files": dict}
+    for key, kind in kinds.items():
+        if not isinstance(index.get(key), kind):
+            raise CheckpointError(
+                f"{index_path}: the {key!r} entry is missing or not a {kind.__name__}; the index "
+                f"is damaged or was edited"
+            )
+    pp = index["layout"].get("pp")
+    for kind in ("model", "optim"):
+        files = index[f"{kind}_files"]
+        stages = [_STAGE_FILE.fullmatch(f) for f in files]
+        if not isinstance(pp, int) or not all(stages) or (kind == "optim" and not files):
+            continue  # not written by PipelineStrategy (no per-stage naming), or weights only
+        missing = sorted(set(range(pp)) - {int(m.group(2)) for m in stages if m})
+        if missing:
+            names = [f"{kind}.pp{r}.pt" for r in missing]
+            raise CheckpointError(
+                f"{index_path}: the checkpoint was written at pp={pp} but its index lists no "
+                f"{kind} file for stage(s) {missing} ({', '.join(names)}); the index is "
+                f"incomplete or was edited, refusing to use a checkpoint that lacks stages"
+            )
+    where: dict[str, str] = {}
+    twice: dict[str, list[str]] = {}
+    for fname, names in index["model_files"].items():
+        for n in names:
+            if n in where:
+                twice.setdefault(n, [where[n]]).append(fname)
+            where[n] = fname
+    if twice:
+        shown = "; ".join(f"{n} in {', '.join(fs)}" for n, fs in list(twice.items())[:5])
+        raise CheckpointError(
+            f"{index_path}: {len(twice)} tensor name(s) are listed in more than one file "
+            f"({shown}); each is stored exactly once"
+        )
+    lost = sorted({c for c, _ in index.get("tied", []) if c not in where})
+    if lost:
+        raise CheckpointError(
+            f"{index_path}: tied group(s) {lost} are not stored in any file listed in the index"
+        )
+
+
 def _load_file(path: Path) -> Any:
-    # mmap: a rank pages in only the tensors it takes, not whole stage files
-    return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    """A tensor file of the checkpoint (weights_only: tensors, numbers, strings, containers)."""
+    try:
+        # mmap: a rank pages in only the tensors it takes, not whole stage files
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as exc:
+        found = _DISALLOWED.search(str(exc))
+        if found is None:
+            raise _unpickling_error(path, exc) from None
+        raise CheckpointError(  # never legitimate here: the writer saves tensors and names only
+            f"{path}: refusing to unpickle {found.group(1)!r}: a lightning_pp tensor file holds "
+            f"only tensors, numbers and strings; the file was tampered with or is foreign"
+        ) from None
+    except Exception as exc:  # a truncated zip, a directory, permissions: name the file
+        raise CheckpointError(
+            f"{path}: cannot be read as a torch.save file ({type(exc).__name__}: "
+            f"{_first_line(exc)}); the file is damaged or not part of this checkpoint"
+        ) from exc
+
+
+def _load_shard(directory: Path, fname: str, names: Iterable[str]) -> Any:
+    """Load a model or optimizer file and check that it holds exactly the names the index lists
+    for it (a file swapped with another stage's, or an edited index, is refused)."""
+    data = _load_file(directory / fname)
+    if fname.startswith("optim."):
+        ok = isinstance(data, list) and all(
+            isinstance(s, dict) and {"state", "param_groups", "group_of"} <= s.keys() for s in data
+        )
+        held = {n for s in data for n in s["group_of"]} if ok else set()
+    else:
+        ok = isinstance(data, dict)
+        held = set(data) if ok else set()
+    if not ok:
+        raise CheckpointError(
+            f"{directory / fname}: holds a {type(data).__name__}, not a lightning_pp "
+            f"{fname.split('.')[0]} shard"
+        )
+    listed = set(names)
+    if held != listed:
+        missing, extra = sorted(listed - held), sorted(held - listed)
+        raise CheckpointError(
+            f"{directory / fname}: its contents do not match {INDEX_FILE}: "
+            + "; ".join(
+                f"{what} {len(ns)} name(s) {_some(ns)}"
+                for what, ns in (("lacks", missing), ("holds unlisted", extra))
+                if ns
+            )
+            + " (a file swapped or copied from another checkpoint, or an edited index)"
+        )
+    return data
+
+
+def _some(names: Sequence[str], k: int = 5) -> str:
+    return f"{list(names[:k])}{' ...' if len(names) > k else ''}"
+
+
+def _first_line(exc: BaseException) -> str:
+    return next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), "")
+
+
+_DISALLOWED = re.compile(r"GLOBAL ([\w.]+)")
+
+
+def _unpickling_error(path: Path, exc: Exception) -> CheckpointError:
+    """torch's weights_only refusal, reworded: which file, which global, what to do."""
+    found = _DISALLOWED.search(str(exc))
+    if found is None:
+        reason = [
+            ln.strip()
+            for ln in str(exc).splitlines()[1:]
+            if ln.strip() and not ln.startswith(("Check the documentation", "Please file"))
+        ]
+        return CheckpointError(
+            f"{path}: cannot be read with weights_only=True ({'; '.join(reason) or exc}): the "
+            f"file is damaged, or holds an object torch's restricted unpickler cannot rebuild "
+            f"(if you wrote this checkpoint and trust it: `lightning-pp consolidate ... "
+            f"--trust-checkpoint`, Trainer.fit(..., weights_only=False))"
+        )
+    return CheckpointError(
+        f"{path}: refusing to unpickle {found.group(1)!r}: a checkpoint's files are loaded with "
+        f"weights_only=True, which allows tensors, containers and the types Lightning's metadata "
+        f"holds (lightning_pp.checkpoint.META_SAFE_GLOBALS), because unpickling any other global "
+        f"can run code. If you wrote this checkpoint and trust it, register the type with "
+        f"torch.serialization.add_safe_globals([...]), or load with code execution allowed: "
+        f"`lightning-pp consolidate ... --trust-checkpoint`, Trainer.fit(..., "
+        f"weights_only=False)"
+    )
+
+
+def _meta_safe_globals() -> list[Any]:
+    """Types found in Lightning's checkpoint metadata besides tensors and plain containers.
+
+    What Lightning 2.6 writes (``_CheckpointConnector.dump_checkpoint``): loops' and callbacks'
+    state (ints, floats, strings, tensors, dicts of them: ``ModelCheckpoint`` stores paths as
+    strings and scores as tensors), optimizer and LR-scheduler state dicts (numbers, lists,
+    tensors), the precision plugin's state (a GradScaler's numbers), ``hyper_parameters``
+    (``dict(module.hparams)``, or an OmegaConf container with its type under ``hparams_type``).
+    The hyperparameter values are whatever the module's ``__init__`` received: the common
+    harmless ones (paths, namespaces, dates, OmegaConf containers) are allowed here; anything else
+    is refused by name (see :func:`_unpickling_error`). Every entry is a plain data type whose
+    unpickling calls no user code. (dict subclasses with items, e.g. a nested ``AttributeDict``
+    or a filled ``defaultdict``, cannot be rebuilt by torch's restricted unpickler at all: such
+    hyperparameters need the trusted load.)
+    """
+    import argparse
+    import collections
+    import datetime
+    import pathlib
+    import typing
+
+    allowed: list[Any] = [
+        argparse.Namespace,
+        collections.defaultdict,
+        datetime.date,
+        datetime.datetime,
+        datetime.time,
+        datetime.timedelta,
+        datetime.timezone,
+        pathlib.Path,
+        pathlib.PosixPath,
+        pathlib.PurePath,
+        pathlib.PurePosixPath,
+        pathlib.PureWindowsPath,
+        pathlib.WindowsPath,
+        frozenset,
+        range,
+        slice,
+    ]
+    try:
+        from omegaconf import DictConfig, ListConfig, nodes
+        from omegaconf.base import ContainerMetadata, Metadata
+    except ImportError:  # optional: only a module whose hparams are OmegaConf containers needs it
+        return allowed
+    # an OmegaConf container records its nodes' reference types, builtin classes included
+    builtin_types = [bool, bytes, dict, float, int, list, str, tuple]
+    node_types = [
+        getattr(nodes, n) for n in dir(nodes) if n.endswith("Node") and n != "EnumNode"
+    ]  # an EnumNode names its enum class, which is user code and refused unless registered
+    return [
+        *allowed,
+        *builtin_types,
+        DictConfig,
+        ListConfig,
+        ContainerMetadata,
+        Metadata,
+        typing.Any,
+        *node_types,
+    ]
+
+
+META_SAFE_GLOBALS: list[Any] = _meta_safe_globals()
+
+
+def load_metadata(path: str | os.PathLike, *, weights_only: bool | None = None) -> dict[str, Any]:
+    """Load a checkpoint's ``meta.pt`` (Lightning's loops, callbacks, schedulers, hparams).
+
+    By default (``weights_only`` None or True) with torch's restricted unpickler, allowing only
+    tensors, containers and :data:`META_SAFE_GLOBALS` (plus what the user registered with
+    ``torch.serialization.add_safe_globals``): a file that pickles anything else, e.g. a call to
+    ``os.system``, is refused with a :class:`CheckpointError` naming the file and the global.
+    ``weights_only=False`` unpickles anything, which runs whatever code the file names: only for
+    files you trust (``Trainer.fit(..., weights_only=False)`` passes it through).
+    """
+    path = Path(path)
+    trusted = weights_only is False
+    try:
+        if trusted:
+            return load_file(str(path), map_location="cpu", weights_only=False)
+        with torch.serialization.safe_globals(META_SAFE_GLOBALS):
+            return load_file(str(path), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        if trusted:
+            raise CheckpointError(f"{path}: cannot be unpickled ({_first_line(exc)})") from exc
+        raise _unpickling_error(path, exc) from None
+    except Exception as exc:
+        raise CheckpointError(
+            f"{path}: cannot be read as a torch.save file ({type(exc).__name__}: "
+            f"{_first_line(exc)}); the file is damaged or not part of this checkpoint"
+        ) from exc
 
 
 def _name_to_file(files: Mapping[str, Sequence[str]]) -> dict[str, str]:
@@ -465,7 +703,7 @@ def load_model_shard(
             by_file.setdefault(where[c], []).append(k)
     state: dict[str, Any] = {}
     for fname, keys in by_file.items():
-        data = _load_file(path / fname)
+        data = _load_shard(path, fname, index["model_files"][fname])
         for k in keys:
             state[k] = data[wanted[k]]
     module.load_state_dict(state, strict=strict)
@@ -480,11 +718,16 @@ def _merged_optimizer_states(
     files = [f for f, ns in index["optim_files"].items() if names & set(ns)]
     merged: list[dict[str, Any]] = []
     for fname in files:
-        for i, saved in enumerate(_load_file(path / fname)):
+        for i, saved in enumerate(_load_shard(path, fname, index["optim_files"][fname])):
             while len(merged) <= i:
                 merged.append({"state": {}, "group_of": {}})
             for n, gi in saved["group_of"].items():
                 if n in names:
+                    if not (isinstance(gi, int) and 0 <= gi < len(saved["param_groups"])):
+                        raise CheckpointError(
+                            f"{path / fname}: optimizer {i} puts {n!r} in param group {gi!r}, "
+                            f"but holds {len(saved['param_groups'])} group(s); the file is damaged"
+                        )
                     merged[i]["group_of"][n] = saved["param_groups"][gi]
                     if n in saved["state"]:
                         merged[i]["state"][n] = saved["state"][n]
@@ -568,7 +811,8 @@ def load_pipeline_checkpoint(
     any rank is raised on every rank, so none is left waiting in a collective. With
     ``module.strict_loading``, a saved tensor that no rank of this model loaded is an error.
     ``scheduler_configs`` (the Trainer's ``lr_scheduler_configs``) get their saved states fitted
-    to THIS rank's param groups (rank 0 saved them for its own).
+    to THIS rank's param groups (rank 0 saved them for its own). ``weights_only``: see
+    :func:`load_metadata` (``None``, the Trainer's default, loads ``meta.pt`` safely).
     """
     path = str(path)
     index = read_index(path)
@@ -585,16 +829,16 @@ def load_pipeline_checkpoint(
     gathered = _all_gather((used, error))
     errors = [e for _, e in gathered if e]
     if errors:
-        raise RuntimeError(f"loading checkpoint {path!r} failed: " + "; ".join(errors))
+        raise CheckpointError(f"loading checkpoint {path!r} failed: " + "; ".join(errors))
     if strict:
         saved = {n for names in index["model_files"].values() for n in names}
         unused = sorted(saved - {n for names, _ in gathered for n in names})
         if unused:
-            raise RuntimeError(
+            raise CheckpointError(
                 f"checkpoint {path!r}: {len(unused)} saved tensor(s) belong to no rank of "
                 f"this model: {unused[:5]} (set LightningModule.strict_loading=False to allow)"
             )
-    meta = load_file(f"{path}/{index['meta_file']}", map_location="cpu", weights_only=weights_only)
+    meta = load_metadata(Path(path) / index["meta_file"], weights_only=weights_only)
     if optimizers is not None and "lr_schedulers" in meta:
         meta["lr_schedulers"] = [
             adapt_scheduler_state(state, cfg.scheduler.optimizer)
@@ -624,9 +868,9 @@ def consolidated_state_dict(path: str | os.PathLike) -> dict[str, Tensor]:
     path = Path(path)
     index = read_index(path)
     state: dict[str, Tensor] = {}
-    for fname in index["model_files"]:
-        for k, v in _load_file(path / fname).items():
-            state.setdefault(k, v.clone() if isinstance(v, Tensor) else v)
+    for fname, names in index["model_files"].items():
+        for k, v in _load_shard(path, fname, names).items():
+            state[k] = v.clone() if isinstance(v, Tensor) else v
     for canonical, member in index["tied"]:
         if canonical in state:
             state[member] = state[canonical]
@@ -641,6 +885,8 @@ def consolidate_checkpoint(
     path: str | os.PathLike,
     out: str | os.PathLike | None = None,
     module: Any = None,
+    *,
+    weights_only: bool = True,
 ) -> dict[str, Any]:
     """Merge a sharded checkpoint into one ordinary file.
 
@@ -651,16 +897,19 @@ def consolidate_checkpoint(
     is called if its layers are not built yet): a full Lightning checkpoint (``state_dict``,
     ``optimizer_states`` in the positional order of ``module.configure_optimizers()``,
     ``lr_schedulers``, loops, callbacks, hyperparameters), so a plain ``Trainer`` resumes with
-    ``trainer.fit(module, ckpt_path=out)``.
+    ``trainer.fit(module, ckpt_path=out)``. ``weights_only=False`` loads ``meta.pt`` with code
+    execution allowed (see :func:`load_metadata`): only for checkpoints you trust.
 
-    Returns what was (or would be) written to ``out``.
+    Every stage of the recorded layout must be present and every file must hold exactly what the
+    index lists (:func:`read_index`); otherwise a :class:`CheckpointError` is raised and nothing
+    is written. Returns what was (or would be) written to ``out``.
     """
     path = Path(path)
     state = consolidated_state_dict(path)
     if module is None:
         result: dict[str, Any] = state
     else:
-        result = _lightning_checkpoint(path, state, module)
+        result = _lightning_checkpoint(path, state, module, weights_only=weights_only)
     if out is not None:
         out = Path(out)
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -670,9 +919,11 @@ def consolidate_checkpoint(
     return result
 
 
-def _lightning_checkpoint(path: Path, state: dict[str, Tensor], module: Any) -> dict[str, Any]:
+def _lightning_checkpoint(
+    path: Path, state: dict[str, Tensor], module: Any, *, weights_only: bool = True
+) -> dict[str, Any]:
     index = read_index(path)
-    meta = torch.load(path / index["meta_file"], map_location="cpu", weights_only=False)
+    meta = load_metadata(path / index["meta_file"], weights_only=weights_only)
     if getattr(module, "layers", None) is None and hasattr(module, "configure_model"):
         module.configure_model()
     module.load_state_dict(state, strict=True)
@@ -696,3 +947,52 @@ def _lightning_checkpoint(path: Path, state: dict[str, Tensor], module: Any) -> 
                 for s, cfg in zip(meta["lr_schedulers"], scheduler_configs)
             ]
     return ckpt
+
+
+def module_from_checkpoint(
+    path: str | os.PathLike,
+    class_path: str | type | None = None,
+    *,
+    weights_only: bool = True,
+    allow_main: bool = False,
+) -> Any:
+    """Instantiate the unpipelined LightningModule a checkpoint was written from.
+
+    The class is ``class_path`` (a class, or ``"package.module:Class"``), else the one recorded at
+    save time; it is called with the saved hyperparameters. Trust: importing a module runs its
+    top-level code, so only a class that is a ``LightningModule`` subclass is called, and a
+    recorded class is imported only when its module is importable here (installed or on the
+    path). ``allow_main``: accept a class recorded from a script (``__main__:Class``), which
+    resolves only inside that same script (the CLI refuses it).
+    """
+    from lightning.pytorch import LightningModule
+
+    path = Path(path)
+    index = read_index(path)
+    meta = load_metadata(path / index["meta_file"], weights_only=weights_only)
+    if class_path is None:
+        class_path = meta.get("lightning_pp", {}).get("module_class")
+        if class_path is None:
+            raise CheckpointError(f"{path / index['meta_file']} does not record its module class")
+    if isinstance(class_path, str):
+        module_name, _, qualname = class_path.partition(":")
+        if not qualname:
+            raise ValueError(
+                f"a module class must look like 'package.module:Class', got {class_path!r}"
+            )
+        if module_name == "__main__" and not allow_main:
+            raise ValueError(
+                f"the module class was defined in a script ({class_path}); name an importable "
+                "class instead (pkg.mod:Class)"
+            )
+        cls: Any = importlib.import_module(module_name)
+        for part in qualname.split("."):
+            cls = getattr(cls, part)
+    else:
+        cls = class_path
+    if not (isinstance(cls, type) and issubclass(cls, LightningModule)):
+        raise CheckpointError(
+            f"{class_path!r} (from {path / index['meta_file']}) is not a LightningModule class; "
+            "refusing to call it with the checkpoint's hyperparameters"
+        )
+    return cls(**dict(meta.get("hyper_parameters", {})))

@@ -16,6 +16,7 @@ checkpoint) and a plain single-process Trainer resuming from the latter.
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -168,6 +169,48 @@ def test_plain_trainer_resumes_from_consolidated_lightning_checkpoint(runs, tmp_
     errs = _rel(result["train_loss"], full[5:])
     assert max(errs) <= RESHARD_TOL, errs
     assert result["lr"] == _read(runs["out"] / "a", "il_full", 4)[0]["lr"][5:]
+
+
+def test_plain_trainer_resumes_from_the_pipeline_directory_with_the_io_plugin(runs, tmp_path):
+    """Issue 13 item 11: ``Trainer(plugins=[PipelineCheckpointIO()]).fit(ckpt_path=DIR)`` with
+    no PipelineStrategy continues the run (a plain ``torch.load(DIR)`` is an IsADirectoryError)."""
+    from ckpt_run import run_phase
+
+    torch.set_num_threads(1)
+    spec = {"name": "plain_io", "pp": 0, "max_steps": 10, "resume": runs["il5"]}
+    result = run_phase({**spec, "pipeline_io": True}, str(tmp_path), 1)
+    full = _losses(runs["out"], "a", "il_full", 4)
+    errs = _rel(result["train_loss"], full[5:])
+    assert max(errs) <= RESHARD_TOL, errs
+    assert result["lr"] == _read(runs["out"] / "a", "il_full", 4)[0]["lr"][5:]
+    assert result["global_step"] == 10
+
+
+def _copy(src: str, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_consolidate_refuses_a_tampered_real_checkpoint(runs, tmp_path, capsys):
+    """Issue 13 item 10 on a real pp=4 checkpoint: an index entry removed, or two stage files
+    swapped, used to give a partial file (part of the tensors) and exit 0."""
+    dropped = _copy(runs["il5"], tmp_path / "dropped.ckpt")
+    index = json.loads((dropped / "index.json").read_text())
+    del index["model_files"]["model.pp2.pt"]
+    (dropped / "index.json").write_text(json.dumps(index))
+    assert cli_main(["consolidate", str(dropped), str(tmp_path / "a.pt")]) == 2
+    err = capsys.readouterr().err
+    assert "model.pp2.pt" in err and "pp=4" in err, err
+    assert not (tmp_path / "a.pt").exists()
+
+    swapped = _copy(runs["il5"], tmp_path / "swapped.ckpt")
+    (swapped / "model.pp1.pt").rename(swapped / "tmp")
+    (swapped / "model.pp3.pt").rename(swapped / "model.pp1.pt")
+    (swapped / "tmp").rename(swapped / "model.pp3.pt")
+    assert cli_main(["consolidate", str(swapped), str(tmp_path / "b.pt")]) == 2
+    err = capsys.readouterr().err
+    assert "model.pp1.pt" in err and "do not match index.json" in err, err
+    assert not (tmp_path / "b.pt").exists()
 
 
 # ---------------------------------------------------------------------------- format

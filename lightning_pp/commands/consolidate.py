@@ -1,5 +1,9 @@
 """``lightning-pp consolidate``: merge a sharded pipeline checkpoint into one ordinary file.
 
+Trust: the checkpoint's files are loaded with ``weights_only=True`` (no pickled code runs; see
+docs/checkpoints.md "Trust"); ``--lightning`` imports the module class recorded in the checkpoint
+(or ``--module``) and calls it only if it is a LightningModule subclass.
+
 Example::
 
     # plain state_dict for inference: model.load_state_dict(torch.load("gpt.pt"))
@@ -13,7 +17,6 @@ Example::
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 from typing import Any
 
@@ -44,6 +47,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="PKG.MOD:CLASS",
         help="LightningModule class for --lightning (default: the class recorded at save time)",
     )
+    p.add_argument(
+        "--trust-checkpoint",
+        action="store_true",
+        help="load meta.pt with weights_only=False: unpickles any type, which RUNS any code the "
+        "file names; only for checkpoints you wrote (default: tensors, containers and the types "
+        "Lightning's metadata holds)",
+    )
     p.set_defaults(func=run)
 
 
@@ -52,37 +62,11 @@ def _fail(message: str) -> int:
     return 2
 
 
-def _import_class(path: str) -> Any:
-    module_name, _, qualname = path.partition(":")
-    if not qualname:
-        raise ValueError(f"--module must look like 'package.module:Class', got {path!r}")
-    obj: Any = importlib.import_module(module_name)
-    for part in qualname.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
-def build_module(checkpoint_dir: str, class_path: str | None = None) -> Any:
+def build_module(checkpoint_dir: str, class_path: str | None = None, trust: bool = False) -> Any:
     """Instantiate the unpipelined LightningModule from the checkpoint's class and hparams."""
-    import torch
+    from lightning_pp.checkpoint import module_from_checkpoint
 
-    from lightning_pp.checkpoint import read_index
-
-    index = read_index(checkpoint_dir)
-    meta = torch.load(
-        f"{checkpoint_dir}/{index['meta_file']}", map_location="cpu", weights_only=False
-    )
-    class_path = class_path or meta.get("lightning_pp", {}).get("module_class")
-    if class_path is None:
-        raise ValueError("the checkpoint does not record its module class: pass --module")
-    if class_path.startswith("__main__:"):
-        raise ValueError(
-            f"the module class was defined in a script ({class_path}); pass --module "
-            "pkg.mod:Class naming an importable class"
-        )
-    cls = _import_class(class_path)
-    hparams = dict(meta.get("hyper_parameters", {}))
-    return cls(**hparams)
+    return module_from_checkpoint(checkpoint_dir, class_path, weights_only=not trust)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -90,8 +74,14 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         index = read_index(args.checkpoint)
-        module = build_module(args.checkpoint, args.module) if args.lightning else None
-        result = consolidate_checkpoint(args.checkpoint, args.output, module=module)
+        module = (
+            build_module(args.checkpoint, args.module, args.trust_checkpoint)
+            if args.lightning
+            else None
+        )
+        result = consolidate_checkpoint(
+            args.checkpoint, args.output, module=module, weights_only=not args.trust_checkpoint
+        )
     except (CheckpointError, ValueError, ImportError, AttributeError) as exc:
         return _fail(str(exc))
     state = result["state_dict"] if args.lightning else result

@@ -9,7 +9,9 @@ the moment one rank dies)::
 A phase: {"name", "pp", "vpp", "microbatches", "max_steps", "every" (save every N steps into
 "ckpt_dir"), "resume" (ckpt_path for fit), "best_dir" (ModelCheckpoint on val_loss, top-1),
 "fail_rank"/"fail_save" (that rank dies inside its Nth optimizer-file write)}. ``"pp": 0`` runs
-the plain single-process Trainer (no strategy). Output: DIR/<name>.rank<r>.json.
+the plain single-process Trainer (no strategy); with ``"pipeline_io": true`` it gets
+``plugins=[PipelineCheckpointIO()]`` (resume from a pipeline checkpoint directory).
+Output: DIR/<name>.rank<r>.json.
 """
 
 from __future__ import annotations
@@ -70,6 +72,12 @@ def _inject_failure(rank: int, fail_rank: int, fail_save: int) -> None:
     ckpt_mod._save_file = save_file
 
 
+def _pipeline_io() -> Any:
+    from lightning_pp import PipelineCheckpointIO
+
+    return PipelineCheckpointIO()
+
+
 def run_phase(spec: dict, out: str, devices: int) -> dict:
     plain = spec["pp"] == 0
     world = 1 if plain else int(os.environ.get("WORLD_SIZE", devices))
@@ -115,6 +123,7 @@ def run_phase(spec: dict, out: str, devices: int) -> dict:
         enable_progress_bar=False,
         enable_model_summary=False,
         callbacks=callbacks,
+        plugins=[_pipeline_io()] if spec.get("pipeline_io") else None,
         enable_checkpointing=bool(every or best),
         default_root_dir=out,
     )
