@@ -31,6 +31,7 @@ __all__ = [
     "init_dist_connection",
     "load_file",
     "logging_step",
+    "model_summary_settings",
     "multiprocessing_launcher",
     "optimizers_to_device",
     "reset_optimizers_and_schedulers",
@@ -93,6 +94,18 @@ def logging_step(trainer: pl.Trainer) -> int:
     """
     loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
     return int(getattr(loop, "_batches_that_stepped", trainer.global_step))
+
+
+def model_summary_settings(callback: Any) -> tuple[int, dict[str, Any]]:
+    """``ModelSummary._max_depth`` and ``._summarize_kwargs`` (private attributes, 2.6) of a
+    model summary callback (``ModelSummary``, ``RichModelSummary``).
+
+    Why: under the strategy the summary must gather every stage's rows before printing
+    (:mod:`lightning_pp.summary`); the pipeline's version of ``on_fit_start`` needs the depth and
+    the printing options the user gave the callback, which Lightning keeps only in these
+    attributes.
+    """
+    return int(callback._max_depth), dict(callback._summarize_kwargs)
 
 
 def trainer_of(module: pl.LightningModule | None) -> pl.Trainer | None:

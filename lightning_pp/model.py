@@ -30,6 +30,8 @@ __all__ = [
     "PipelineMixin",
     "layer_of",
     "partition_weights",
+    "rebuilt_layers_match",
+    "replace_submodule",
     "select_layers",
 ]
 
@@ -127,6 +129,31 @@ def partition_weights(
             )
         return None, costs
     return None, None
+
+
+def rebuilt_layers_match(built: PipelineLayers, rebuilt: PipelineLayers) -> bool:
+    """Whether ``rebuilt`` is the same model as ``built``: the same layer count, no layer that
+    ``built`` lacks, and the same parameter names and shapes in every layer (so ``built``'s values
+    can stand where ``rebuilt``'s freshly initialised ones are)."""
+    if built.num_layers != rebuilt.num_layers:
+        return False
+    if not set(rebuilt.built_indices) <= set(built.built_indices):
+        return False
+    for i in rebuilt.built_indices:
+        shapes = {n: p.shape for n, p in built[i].named_parameters()}
+        if shapes != {n: p.shape for n, p in rebuilt[i].named_parameters()}:
+            return False
+    return True
+
+
+def replace_submodule(root: nn.Module, old: nn.Module, new: nn.Module) -> bool:
+    """Put ``new`` wherever ``old`` is attached under ``root``; ``False`` if ``old`` is not."""
+    for name, sub in root.named_modules():
+        if sub is old and name:
+            parent, _, attr = name.rpartition(".")
+            setattr(root.get_submodule(parent) if parent else root, attr, new)
+            return True
+    return False
 
 
 class PipelineLayers(nn.Module):

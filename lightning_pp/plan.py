@@ -42,6 +42,7 @@ from .schedules import Schedule, build_schedule, check_positive, check_schedule_
 
 __all__ = [
     "PARTITION_METHODS",
+    "STRATEGY_STEPS",
     "PipelinePlan",
     "PipelineWarning",
     "PreflightError",
@@ -54,6 +55,8 @@ __all__ = [
     "check_world",
     "default_schedule",
     "format_count",
+    "ignored_step_overrides",
+    "ignored_steps_message",
 ]
 
 #: the partition methods by name (an explicit per-stage list of layer counts is the other form)
@@ -415,6 +418,46 @@ def check_module(module: Any, *, configured: bool = True) -> None:
         )
     if layers.num_layers == 0:  # pragma: no cover - PipelineLayers rejects 0 builders itself
         raise PreflightError(f"{name} has a PipelineLayers with no layers")
+
+
+#: LightningModule steps the strategy never calls (it runs the pipeline itself), and what it calls
+#: instead. A module's own override of one of them is silently skipped under the strategy.
+STRATEGY_STEPS = {
+    "training_step": "pipeline_loss(output, batch) for the loss (and pipeline_log_train_loss(loss)"
+    " to log it)",
+    "validation_step": "pipeline_eval_step(output, batch, split) for metrics (what it returns or"
+    " self.log()s reaches every rank)",
+    "test_step": "pipeline_eval_step(output, batch, split) (split='test')",
+    "predict_step": "nothing: trainer.predict returns the last layer's output per batch; "
+    "post-process the returned predictions",
+}
+
+
+def ignored_step_overrides(module: Any) -> list[str]:
+    """The step methods in :data:`STRATEGY_STEPS` that ``module`` defines itself.
+
+    :class:`~lightning_pp.model.PipelineMixin` supplies these steps for the plain path; only a
+    module's own override (of the mixin's, or of Lightning's when the module does not use the
+    mixin) is reported. A torchmetrics ``Metric`` updated in such a ``validation_step`` would stay
+    at its initial value under the strategy, without any error.
+    """
+    import lightning.pytorch as pl
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    from .model import PipelineMixin
+
+    parent = PipelineMixin if isinstance(module, PipelineMixin) else pl.LightningModule
+    return [step for step in STRATEGY_STEPS if is_overridden(step, module, parent=parent)]
+
+
+def ignored_steps_message(module: Any, steps: Sequence[str]) -> str:
+    """The warning for :func:`ignored_step_overrides`: each step and the hook to use instead."""
+    lines = [f"  {step}: use {STRATEGY_STEPS[step]}" for step in steps]
+    return (
+        f"{type(module).__name__} overrides {', '.join(steps)}, which PipelineStrategy does not "
+        f"call (it runs the pipeline and calls the pipeline_* hooks instead); code there, e.g. a "
+        f"torchmetrics Metric update, never runs under the strategy:\n" + "\n".join(lines)
+    )
 
 
 # ------------------------------------------------------------------------------------ the plan

@@ -34,6 +34,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -48,12 +49,28 @@ from .checkpoint import (
 from .failure import DEFAULT_WATCHDOG_TIMEOUT, PipelineAborted, report_failure
 from .grad_sync import DeferredGradSync, TiedParameterSync, tied_parameter_sync
 from .microbatch import batch_size_of
-from .model import PipelineLayers, partition_weights, select_layers
+from .model import (
+    PipelineLayers,
+    partition_weights,
+    rebuilt_layers_match,
+    replace_submodule,
+    select_layers,
+)
 from .partition import PipelineChunk
 from .placement import LayerPlacement
-from .plan import PipelinePlan, PreflightError, check_module, check_settings, default_schedule
+from .plan import (
+    PipelinePlan,
+    PreflightError,
+    check_module,
+    check_settings,
+    default_schedule,
+    ignored_step_overrides,
+    ignored_steps_message,
+)
 from .precision import GlobalNormClipping, clip_by_global_norm, with_global_norm_clipping
 from .process_strategy import ProcessGroupStrategy, StartMethod
+from .stage_logging import LogCall, capture_logs, refuse_logs, replay_logs
+from .summary import StageInfo, restore_summaries, use_pipeline_summaries
 from .topology import PipelineTopology, ProcessGroups, build_process_groups
 
 __all__ = ["PipelineStrategy"]
@@ -155,6 +172,7 @@ class PipelineStrategy(ProcessGroupStrategy):
         self.last_record: Any = None
         self._loss_scale = 1
         self._unclipped_precision: Precision | None = None
+        self._warned_steps = False  # about the module's own *_step overrides, once
 
     # ------------------------------------------------------------------ sizes and devices
     @property
@@ -287,10 +305,43 @@ class PipelineStrategy(ProcessGroupStrategy):
     @override
     def model_sharded_context(self) -> Generator[None, None, None]:
         """Around ``configure_model``: PipelineLayers built here hold this rank's layers only."""
-        if self.lightning_module is not None:
-            self._check_module(self.lightning_module)
+        module = self.lightning_module
+        built = None
+        if module is not None:
+            self._check_module(module)
+            built = _built_layers(module)
         with select_layers(self._select_layers):
             yield
+        if built is not None:
+            self._keep_built_layers(module, built)
+
+    def _keep_built_layers(self, module: Any, built: PipelineLayers) -> None:
+        """``configure_model`` without an "already built" guard builds fresh layers each time
+        Lightning calls it (again in validate/test/predict after fit): keep the built ones.
+
+        Kept rather than replaced because they hold what the user trained (or loaded), and
+        ``trainer.validate()`` after ``fit`` must evaluate that model; a rebuild of the same
+        architecture is never what a user means. A different architecture is used as built."""
+        rebuilt = _built_layers(module)
+        if rebuilt is None or rebuilt is built:
+            return
+        name = type(module).__name__
+        guard = "if getattr(self, 'layers', None) is not None: return"
+        if rebuilt_layers_match(built, rebuilt) and replace_submodule(module, rebuilt, built):
+            rank_zero_warn(
+                f"{name}.configure_model() built new PipelineLayers although they were already "
+                f"built (and possibly trained): Lightning calls configure_model() again in "
+                f"validate/test/predict and in every fit. PipelineStrategy keeps the already "
+                f"built layers and their weights, and drops the new ones (a plain Trainer would "
+                f"use the freshly initialised ones). Start configure_model() with `{guard}`."
+            )
+        else:
+            rank_zero_warn(
+                f"{name}.configure_model() replaced its already built (possibly trained) "
+                f"PipelineLayers by a different model; PipelineStrategy uses the new, freshly "
+                f"initialised layers. If that is not intended, start configure_model() with "
+                f"`{guard}`."
+            )
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -302,6 +353,11 @@ class PipelineStrategy(ProcessGroupStrategy):
                 raise TypeError(
                     f"{type(module).__name__} lacks {hook}(); subclass lightning_pp.PipelineMixin"
                 )
+        if not self._warned_steps:
+            self._warned_steps = True
+            steps = ignored_step_overrides(module)
+            if steps:
+                rank_zero_warn(ignored_steps_message(module, steps))
         layers = module.pipeline_layers()
         self._keep_local_layers(layers)
         self._check_module(module, layers)
@@ -327,6 +383,10 @@ class PipelineStrategy(ProcessGroupStrategy):
             self.precision_plugin = with_global_norm_clipping(
                 self.precision_plugin, self.clip_grad_by_global_norm
             )
+            # The model summary (printed at fit start) must count every stage, not rank 0's.
+            use_pipeline_summaries(
+                trainer.callbacks, self._gather_over_pipeline, self._stage_info()
+            )
         self.grad_sync = DeferredGradSync(
             [list(c.parameters()) for c in self.chunks],
             self.groups.dp_group,
@@ -336,6 +396,21 @@ class PipelineStrategy(ProcessGroupStrategy):
         self.engine = self._build_engine()
         if self.is_global_zero:
             self._log_start()
+
+    def _stage_info(self) -> StageInfo:
+        """This rank's line in the model summary: its stages, and its tied copies' size."""
+        assert self.plan is not None and self.topology is not None
+        stages = self.plan.schedule.stages_of(self.topology.pp_rank)
+        copies = self.tied_sync.non_owner_params()
+        tied = sum(p.numel() for p in self.lightning_module.parameters() if id(p) in copies)
+        return StageInfo(",".join(map(str, stages)), tied)
+
+    def _gather_over_pipeline(self, obj: Any) -> list[Any]:
+        """Collective over this rank's pipeline group: every stage's ``obj``, in stage order."""
+        assert self.groups is not None
+        gathered: list[Any] = [None] * self.pp
+        dist.all_gather_object(gathered, obj, group=self.groups.pp_group)
+        return gathered
 
     def _keep_local_layers(self, layers: PipelineLayers) -> None:
         """Layers built outside ``configure_model`` (every rank built all): drop the others."""
@@ -364,9 +439,18 @@ class PipelineStrategy(ProcessGroupStrategy):
         module = self.lightning_module
         assert self.grad_sync is not None
 
+        rank = self.global_rank
+
+        # Both run on one stage, per microbatch, inside the schedule: self.log there is refused
+        # with a clear error (lightning_pp.stage_logging says why).
         def loss_fn(output: Any, microbatch: Any) -> Tensor:
-            # Divided like Lightning divides a plain step's loss under gradient accumulation.
-            return module.pipeline_loss(output, microbatch) / self._loss_scale
+            with refuse_logs(module, "pipeline_loss", rank):
+                # Divided like Lightning divides a plain step's loss under gradient accumulation.
+                return module.pipeline_loss(output, microbatch) / self._loss_scale
+
+        def input_fn(microbatch: Any) -> Any:
+            with refuse_logs(module, "pipeline_input", rank):
+                return module.pipeline_input(microbatch)
 
         return PipelineEngine(
             self.chunks,
@@ -374,7 +458,7 @@ class PipelineStrategy(ProcessGroupStrategy):
             self.topology,
             self.groups,
             loss_fn=loss_fn,
-            input_fn=module.pipeline_input,
+            input_fn=input_fn,
             loss_reduction="mean",
             release_outputs=self.release_outputs,
             on_chunk_grads_ready=self.grad_sync.on_chunk_grads_ready,
@@ -448,21 +532,43 @@ class PipelineStrategy(ProcessGroupStrategy):
         return clip_by_global_norm(params, max_norm, self.groups.pp_group, skip=skip)
 
     # ------------------------------------------------------------------ evaluation, prediction
-    def _forward_only(self, batch: Any, context: Callable, on_output: Callable) -> Any:
+    def _forward_only(self, batch: Any, context: Callable, on_output: Callable, hook: str) -> Any:
         """Run the forward-only schedule. The rank holding the last stage turns the batch's output
-        (microbatches concatenated) into ``on_output(output)``; every pipeline rank returns it."""
+        (microbatches concatenated) into ``on_output(output)``; every pipeline rank returns it.
+
+        If ``on_output`` (the user's ``hook``) raises there, the other ranks, waiting in the
+        broadcast, receive the failure instead of a value and stop with ``PipelineAborted``:
+        one stage's error must not leave the others blocked in a collective."""
         assert self.topology is not None and self.groups is not None and self.placement
         with context():
             result = self.engine.eval_step(batch, collect_outputs=True)
         self.last_record = result.record
         last = self.placement.output_rank
+        src = self.topology.global_rank(last)
         payload: list[Any] = [None]
+        error: Exception | None = None
         if self.topology.pp_rank == last:
-            payload = [on_output(_concat_outputs(result.outputs))]
+            try:
+                payload = [(True, on_output(_concat_outputs(result.outputs)))]
+            except Exception as e:
+                if self.pp == 1:
+                    raise
+                error, payload = e, [(False, {"type": type(e).__name__, "message": str(e)})]
         if self.pp > 1:
-            src = self.topology.global_rank(last)
             dist.broadcast_object_list(payload, src=src, group=self.groups.pp_group)
-        return payload[0]
+        ok, value = payload[0]
+        if error is not None:
+            raise error
+        if not ok:
+            origin = {"rank": src, "where": hook, **value}
+            raise PipelineAborted(
+                f"rank {self.global_rank}: stopped because rank {src} (last stage) failed in "
+                f"{hook}(): {value['type']} (its error is printed by rank {src})",
+                self.global_rank,
+                src,
+                origin,
+            )
+        return value
 
     def _eval(self, batch: Any, split: str, context: Callable) -> dict[str, Tensor]:
         """``pipeline_eval_step`` on the last stage, averaged over replicas, logged everywhere."""
@@ -470,18 +576,20 @@ class PipelineStrategy(ProcessGroupStrategy):
         module, topo, groups = self.lightning_module, self.topology, self.groups
         assert topo is not None and groups is not None
 
-        def metrics(output: Any) -> tuple[list[str], Tensor]:
-            with context():
+        def metrics(output: Any) -> tuple[list[str], Tensor, list[LogCall]]:
+            # What the hook self.log()s is captured here and replayed on every rank below.
+            with context(), capture_logs(module, "pipeline_eval_step", self.global_rank) as logs:
                 values = module.pipeline_eval_step(output, batch, split)
             stacked = torch.stack([torch.as_tensor(v).detach().float() for v in values.values()])
             if topo.dp > 1:  # average over replicas (each saw a different shard)
                 dist.all_reduce(stacked, op=dist.ReduceOp.SUM, group=groups.dp_group)
                 stacked = stacked / topo.dp
-            return list(values), stacked.cpu()
+            return list(values), stacked.cpu(), logs
 
-        names, stacked = self._forward_only(batch, context, metrics)
+        names, stacked, logs = self._forward_only(batch, context, metrics, "pipeline_eval_step")
         values = {n: stacked[i].to(self.root_device) for i, n in enumerate(names)}
         module.pipeline_log_eval(values, split)
+        replay_logs(module, logs, groups.dp_group, self.root_device)
         return values
 
     @override
@@ -497,7 +605,8 @@ class PipelineStrategy(ProcessGroupStrategy):
         """The batch's output (microbatches concatenated), on every rank of the pipeline, so
         ``trainer.predict`` returns predictions on global rank 0 too (as spawn launchers need)."""
         on_output = _to_cpu if self.pp > 1 else (lambda output: output)
-        return self._forward_only(args[0], self.precision_plugin.predict_step_context, on_output)
+        context = self.precision_plugin.predict_step_context
+        return self._forward_only(args[0], context, on_output, "predict_step")
 
     # ------------------------------------------------------------------ checkpoints
     # A checkpoint is a directory: every stage writes its own tensors by original name, rank 0
@@ -584,7 +693,10 @@ class PipelineStrategy(ProcessGroupStrategy):
 
     @override
     def teardown(self) -> None:
-        compat.set_skip_backward(compat.trainer_of(self.lightning_module), False)
+        trainer = compat.trainer_of(self.lightning_module)
+        compat.set_skip_backward(trainer, False)
+        if trainer is not None:
+            restore_summaries(trainer.callbacks)
         if isinstance(self.precision_plugin, GlobalNormClipping):
             self.precision_plugin = self._unclipped_precision
         self._unclipped_precision = None
@@ -602,6 +714,15 @@ class PipelineStrategy(ProcessGroupStrategy):
                     description=f"Pipeline x data parallel (start_method={start_method!r})",
                     start_method=start_method,
                 )
+
+
+def _built_layers(module: Any) -> PipelineLayers | None:
+    """The module's PipelineLayers if it holds some built layers, else ``None``."""
+    try:
+        layers = module.pipeline_layers()
+    except Exception:  # not built yet: pipeline_layers() says so by raising
+        return None
+    return layers if isinstance(layers, PipelineLayers) and layers.built_indices else None
 
 
 def _concat_outputs(outputs: Sequence[Any]) -> Any:
