@@ -417,8 +417,8 @@ class FailureMonitor:
         watcher = current_watcher()
         if origin is None and watcher is not None:
             suspects = [r for r in [peer, *(ranks or self.pipeline_ranks)] if r is not None]
-            if watcher.find_vanished(suspects or None):
-                origin = self.aborted()
+            watcher.find_vanished(suspects or None)
+            origin = self.aborted()  # this rank's finding, or another rank's (first wins)
         if origin is not None and origin.get("rank") != self.rank:
             raise self._aborted_error(origin, what) from error
 
@@ -723,20 +723,25 @@ class ProcessWatcher:
         candidates = list(dict.fromkeys(candidates))
         try:
             beats = self._read(candidates)
-            for r, (_, value) in beats.items():
-                if not value.get("done") and self._local(value):
-                    state = _process_state(int(value.get("pid", -1)))
-                    if state in (None, "Z"):
+            live = {r: v for r, (_, v) in beats.items() if not v.get("done")}
+            local = {r: v for r, v in live.items() if self._local(v)}
+            remote = [r for r in live if r not in local]
+            before = {r: live[r].get("n") for r in remote}
+            deadline = time.monotonic() + (2 * self.interval if wait is None else wait)
+            while True:
+                # A killed process closes its sockets while it exits, a moment before the
+                # process table shows it gone: look again until the deadline.
+                for r, value in local.items():
+                    if _process_state(int(value.get("pid", -1))) in (None, "Z"):
                         return self._declare(r, value, _KILLED)
-            remote = [r for r, (_, v) in beats.items() if not v.get("done") and not self._local(v)]
-            if not remote:
-                return False
-            before = {r: beats[r][1].get("n") for r in remote}
-            time.sleep(2 * self.interval if wait is None else wait)
-            after = self._read(remote)
-            for r in remote:
-                if r in after and after[r][1].get("n") == before[r]:
-                    return self._declare(r, after[r][1], "stopped sending heartbeats")
+                if time.monotonic() >= deadline:
+                    break
+                time.sleep(0.05)
+            if remote:
+                after = self._read(remote)
+                for r in remote:
+                    if r in after and after[r][1].get("n") == before[r]:
+                        return self._declare(r, after[r][1], "stopped sending heartbeats")
         except Exception:
             return False
         return False
