@@ -28,6 +28,7 @@ __all__ = [
     "default_process_group_backend",
     "default_store",
     "distributed_is_initialized",
+    "hpc_save_path",
     "init_dist_connection",
     "load_file",
     "logging_step",
@@ -142,15 +143,40 @@ def optimizers_to_device(optimizers: list[Optimizer], device: torch.device) -> N
 def subprocess_script_launcher(
     cluster_environment: ClusterEnvironment, num_processes: int, num_nodes: int
 ) -> Any:
-    """``lightning.pytorch.strategies.launchers._SubprocessScriptLauncher`` (private, 2.6).
+    """A subclass of ``lightning.pytorch.strategies.launchers._SubprocessScriptLauncher``
+    (private, 2.6) whose ``launch`` supervises the children it starts.
 
     Why: ``start_method="popen"`` launches like ``strategy="ddp"`` (re-run the script per local
     rank; nothing when torchrun/SLURM started the processes); Lightning exposes the launcher only
-    as this private class.
+    as this private class. Its ``launch`` is re-stated (validate, ``_call_children_scripts``,
+    ``_set_num_threads_if_needed``, run) to swap Lightning's child-process observer for
+    :class:`lightning_pp.processes.ChildSupervisor`: Lightning's kills every process at its next
+    5-second poll after a child fails (often before the survivors said who failed) and leaves
+    the children running when the launcher itself fails (they end up with parent pid 1).
     """
+    from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
     from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 
-    return _SubprocessScriptLauncher(cluster_environment, num_processes, num_nodes)
+    from .processes import ChildSupervisor
+
+    class SupervisingSubprocessLauncher(_SubprocessScriptLauncher):
+        def launch(self, function: Any, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+            self.cluster_environment.validate_settings(
+                num_devices=self.num_processes, num_nodes=self.num_nodes
+            )
+            supervisor = None
+            if not self.cluster_environment.creates_processes_externally:
+                self._call_children_scripts()
+                supervisor = ChildSupervisor(self.procs).start()
+            _set_num_threads_if_needed(num_processes=self.num_processes)
+            try:
+                return function(*args, **kwargs)
+            except BaseException:
+                if supervisor is not None:
+                    supervisor.end_children()  # nothing outlives a failed launcher
+                raise
+
+    return SupervisingSubprocessLauncher(cluster_environment, num_processes, num_nodes)
 
 
 def multiprocessing_launcher(strategy: Strategy, start_method: str) -> Any:
@@ -223,6 +249,17 @@ def default_store() -> Any:
         return dist.distributed_c10d._get_default_store()
     except Exception:  # no default group, or the private API moved: no failure channel
         return None
+
+
+def hpc_save_path(trainer: pl.Trainer) -> str:
+    """``trainer._checkpoint_connector.hpc_save_path(default_root_dir)`` (private, 2.6):
+    ``<default_root_dir>/hpc_ckpt_<n+1>.ckpt``.
+
+    Why: a checkpoint saved on SIGTERM under SLURM must be where Lightning looks when the
+    requeued job starts again (``_hpc_resume_path``: the highest ``hpc_ckpt_<n>`` there), as
+    Lightning's own auto-requeue saves it; the numbering rule exists only here.
+    """
+    return trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir)
 
 
 # ------------------------------------------------------------------------------- checkpoints

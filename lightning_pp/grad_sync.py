@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from .failure import monitored_wait
+
 __all__ = [
     "DeferredGradSync",
     "LaunchEvent",
@@ -140,8 +142,13 @@ class DeferredGradSync:
         if self.enabled and self.dp_size > 1:
             for c in range(len(self.chunk_buckets)):
                 self.on_chunk_grads_ready(c)
-        for handle, flat, bucket in self._pending:
-            handle.wait()
+        for b, (handle, flat, bucket) in enumerate(self._pending):
+            # Watched: a replica that died or hangs ends this wait (abort channel, watchdog).
+            monitored_wait(
+                [handle],
+                f"in the data-parallel gradient all_reduce (bucket {b}, {flat.numel()} values)",
+                _ranks(self.group),
+            )
             offset = 0
             for p in bucket:
                 n = p.numel()
@@ -187,13 +194,20 @@ class TiedParameterSync:
     def broadcast_weights(self) -> None:
         with torch.no_grad():
             for g in self.groups:
-                dist.broadcast(g.param.data, src=g.owner_rank, group=g.group)
+                work = dist.broadcast(g.param.data, src=g.owner_rank, group=g.group, async_op=True)
+                monitored_wait(
+                    [work],
+                    f"in the tied-weight broadcast of {g.names[0]} from rank {g.owner_rank}",
+                    g.ranks,
+                    min_timeout=120.0,  # at set-up: ranks arrive seconds apart
+                )
 
     def all_reduce_grads(self) -> None:
         for g in self.groups:
             if g.param.grad is None:
                 g.param.grad = torch.zeros_like(g.param)
-            dist.all_reduce(g.param.grad, op=dist.ReduceOp.SUM, group=g.group)
+            work = dist.all_reduce(g.param.grad, op=dist.ReduceOp.SUM, group=g.group, async_op=True)
+            monitored_wait([work], f"in the tied-gradient all_reduce of {g.names[0]}", g.ranks)
 
     def non_owner_params(self) -> set[int]:
         """ids of local copies that a global norm must not count again."""
@@ -255,5 +269,14 @@ def global_grad_norm(
     if reduce is not None:
         reduce(total, group)
     elif group is not None and dist.is_initialized():
-        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+        work = dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group, async_op=True)
+        monitored_wait([work], "in the global gradient-norm all_reduce", _ranks(group))
     return total.sqrt()
+
+
+def _ranks(group: Any) -> list[int] | None:
+    """The global ranks of ``group`` for hang reports (``None`` when it cannot be told)."""
+    try:
+        return list(dist.get_process_group_ranks(group)) if group is not None else None
+    except Exception:
+        return None

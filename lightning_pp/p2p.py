@@ -466,9 +466,9 @@ class P2PCommunicator:
             return []
         try:
             return list(dist.batch_isend_irecv(ops))
-        except Exception:
+        except Exception as e:
             if self.monitor is not None:  # e.g. "connection closed by peer" after its failure
-                self.monitor.raise_if_aborted(what)
+                self.monitor.explain_failure(what, e)  # or a peer that vanished: name it
             raise
 
     # -- posting -----------------------------------------------------------------------------

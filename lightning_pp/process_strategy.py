@@ -14,6 +14,9 @@ Example::
 
 from __future__ import annotations
 
+import logging
+import pickle
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -22,18 +25,35 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from typing_extensions import override
 
 from . import _lightning_compat as compat
+from .failure import (
+    DEFAULT_WATCHDOG_TIMEOUT,
+    FailureMonitor,
+    ProcessWatcher,
+    monitored_wait,
+    set_collective_monitor,
+)
+from .processes import SIGTERM_EXIT_CODE, install_excepthook, slurm_job_id, slurm_requeue
 
 __all__ = ["ProcessGroupStrategy"]
+
+log = logging.getLogger(__name__)
+
+# Lightning's barriers while the job starts: ranks legitimately arrive seconds apart (imports,
+# data set-up on one rank), so these wait at least as long as the pipeline's set-up rendezvous.
+_SETUP_BARRIERS = ("pre_setup", "post_setup", "run-stage", "_dataloader()", "resume_end")
+_SETUP_WAIT = 120.0
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 
@@ -47,6 +67,15 @@ class ProcessGroupStrategy(ParallelStrategy):
             processes come from outside (torchrun, SLURM).
         process_group_backend: ``None`` picks Lightning's default for the device (gloo on CPU).
         timeout: the process group's collective timeout.
+
+    Every collective it issues (``barrier``, ``broadcast``, ``reduce``, ``all_gather`` and the
+    helpers :meth:`all_reduce` / :meth:`broadcast_object`) waits through a
+    :class:`~lightning_pp.failure.FailureMonitor`: it stops when another rank fails and raises
+    a hang report naming the rank and the collective after ``watchdog_timeout`` seconds
+    (an attribute, default 300 s; ``None`` disables). A
+    :class:`~lightning_pp.failure.ProcessWatcher` per rank names a rank that vanished and ends a
+    process blocked where no monitor watches. SIGTERM saves a checkpoint (when checkpointing is
+    configured), requeues a SLURM job (``auto_requeue``) and exits with code 143.
     """
 
     def __init__(
@@ -72,6 +101,11 @@ class ProcessGroupStrategy(ParallelStrategy):
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._num_nodes = 1
+        #: seconds a collective may block before a hang report (subclasses set it from their
+        #: own argument); ``None`` disables the watchdog (the abort channel stays on)
+        self.watchdog_timeout: float | None = DEFAULT_WATCHDOG_TIMEOUT
+        self._watcher: ProcessWatcher | None = None
+        self._collectives: FailureMonitor | None = None
 
     @property
     def is_distributed(self) -> bool:
@@ -133,6 +167,81 @@ class ProcessGroupStrategy(ParallelStrategy):
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
         compat.init_dist_connection(self.cluster_environment, backend, **kwargs)
+        self._start_failure_handling()
+
+    # ------------------------------------------------------------------ failures
+    def watched_ranks(self) -> list[int]:
+        """The ranks whose heartbeats this rank checks (default: all). Every rank must be
+        watched by some other rank; a subclass narrows it to keep the store traffic small."""
+        return list(range(self.world_size))
+
+    def _start_failure_handling(self) -> None:
+        """The collective monitor, the heartbeat watcher and the one-failure-printed-once hook."""
+        store = compat.default_store()
+        backend = dist.get_backend()
+        self._collectives = FailureMonitor(
+            store,
+            self.global_rank,
+            watchdog_timeout=self.watchdog_timeout,
+            poll_works=backend == "nccl",
+            pipeline_ranks=range(self.world_size),
+        )
+        set_collective_monitor(self._collectives)
+        if store is not None and self.world_size > 1 and self._watcher is None:
+            self._watcher = ProcessWatcher(
+                store,
+                self.global_rank,
+                self.world_size,
+                watchdog_timeout=self.watchdog_timeout,
+                watch=self.watched_ranks,
+            ).start()
+        install_excepthook(lambda: self.global_rank)
+
+    def _stop_failure_handling(self) -> None:
+        # After a failure the watcher stays: it ends this process should it block on its way
+        # out. Otherwise the rank is finished and the others must no longer watch it.
+        if self._watcher is not None and not self._watcher.job_failed():
+            self._watcher.stop()
+            self._watcher = None
+        set_collective_monitor(None)
+
+    def _wait(self, works: Sequence[Any], what: str, group: Any = None, name: str = "") -> None:
+        """Wait for a collective's works, watched (hang report, abort channel)."""
+        ranks = dist.get_process_group_ranks(group) if group is not None else None
+        min_timeout = _SETUP_WAIT if name and name.endswith(_SETUP_BARRIERS) else 0.0
+        works = [w for w in works if w is not None]
+        if self._collectives is None:
+            monitored_wait(works, what, ranks)
+        else:
+            self._collectives.wait(works, what, ranks=ranks, min_timeout=min_timeout)
+
+    def _comm_device(self) -> torch.device:
+        return self.root_device if dist.get_backend() == "nccl" else torch.device("cpu")
+
+    def all_reduce(
+        self, tensor: Tensor, op: Any = dist.ReduceOp.SUM, group: Any = None, what: str = ""
+    ) -> Tensor:
+        """In-place ``all_reduce`` of ``tensor`` over ``group``, watched; returns ``tensor``."""
+        work = dist.all_reduce(tensor, op=op, group=group, async_op=True)
+        self._wait([work], f"in all_reduce{' of ' + what if what else ''}", group)
+        return tensor
+
+    def broadcast_object(self, obj: Any, src: int, group: Any = None, what: str = "") -> Any:
+        """``obj`` of global rank ``src`` on every rank of ``group``: pickled into tensors and
+        sent with two watched broadcasts (``broadcast_object_list`` cannot be waited for with a
+        watchdog: it has no ``async_op``)."""
+        device = self._comm_device()
+        mine = dist.get_rank() == src
+        data = pickle.dumps(obj) if mine else b""
+        size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+        label = f"in broadcast{' of ' + what if what else ''} from rank {src}"
+        self._wait([dist.broadcast(size, src=src, group=group, async_op=True)], label, group)
+        if mine:
+            payload = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+        else:
+            payload = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+        self._wait([dist.broadcast(payload, src=src, group=group, async_op=True)], label, group)
+        return obj if mine else pickle.loads(payload.cpu().numpy().tobytes())
 
     @override
     def model_to_device(self) -> None:
@@ -144,22 +253,88 @@ class ProcessGroupStrategy(ParallelStrategy):
         if not compat.distributed_is_initialized():
             return
         if dist.get_backend() == "nccl":
-            dist.barrier(device_ids=[self.root_device.index])
+            work = dist.barrier(device_ids=[self.root_device.index], async_op=True)
         else:
-            dist.barrier()
+            work = dist.barrier(async_op=True)
+        self._wait([work], f"in barrier {name!r}" if name else "in barrier", name=name or "")
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if not compat.distributed_is_initialized():
             return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src)
-        return box[0]
+        return self.broadcast_object(obj, src)
 
     @override
     def reduce(
         self, tensor: Tensor | Any, group: Any = None, reduce_op: ReduceOp | str | None = "mean"
     ) -> Tensor | Any:
-        if isinstance(tensor, Tensor):
-            return compat.sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
+        """Lightning's ``_sync_ddp`` semantics (``"mean"``/``"avg"``, ``"sum"``, ... or a
+        ``ReduceOp``; in place), with a watched ``all_reduce`` and without its extra barrier."""
+        if not isinstance(tensor, Tensor) or not compat.distributed_is_initialized():
+            return tensor
+        divide = False
+        op: Any = reduce_op if reduce_op is not None else dist.ReduceOp.SUM
+        if isinstance(reduce_op, str):
+            name = "avg" if reduce_op.lower() == "mean" else reduce_op.lower()
+            divide = name == "avg"  # gloo has no AVG: sum, then divide (as Lightning does)
+            op = dist.ReduceOp.SUM if divide else getattr(dist.ReduceOp, name.upper())
+        self.all_reduce(tensor, op=op, group=group, what=f"a value reduced with {reduce_op!r}")
+        if not divide:
+            return tensor
+        size = dist.get_world_size(group)
+        if not torch.is_floating_point(tensor):
+            return tensor.copy_(tensor / size)
+        return tensor.div_(size)
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Any = None, sync_grads: bool = False) -> Tensor:
+        if sync_grads or not compat.distributed_is_initialized():
+            return super().all_gather(tensor, group=group, sync_grads=sync_grads)
+        tensor = tensor.contiguous()
+        out = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+        work = dist.all_gather(out, tensor, group=group, async_op=True)
+        self._wait([work], "in all_gather", group)
+        return torch.stack(out)
+
+    # ------------------------------------------------------------------ SIGTERM, teardown
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        if isinstance(exception, SIGTERMException):
+            self._on_sigterm(exception)
+        super().on_exception(exception)
+
+    def _on_sigterm(self, exception: SIGTERMException) -> None:
+        """Lightning stops every rank at the same point after SIGTERM (a broadcast of the flag
+        and a barrier), then raises ``SIGTERMException``, a ``SystemExit`` with code 0: a job
+        killed by its scheduler would look successful. Save a checkpoint where Lightning's SLURM
+        auto-requeue saves and resumes it (when checkpointing is configured), requeue the SLURM
+        job from rank 0 (``SLURMEnvironment(auto_requeue=True)``), say so, and exit 143."""
+        trainer = self.lightning_module.trainer
+        said = [f"received SIGTERM at step {trainer.global_step} (max_steps={trainer.max_steps})"]
+        if trainer.checkpoint_callback is not None:
+            path = trainer.strategy.broadcast(compat.hpc_save_path(trainer))
+            trainer.save_checkpoint(path)  # collective: every rank writes its shard
+            said.append(f"saved checkpoint {path}")
+        else:
+            said.append("checkpointing is off (enable_checkpointing=False): nothing saved")
+        env = self.cluster_environment
+        if isinstance(env, SLURMEnvironment) and env.auto_requeue and self.is_global_zero:
+            job = slurm_job_id()
+            if job is None:
+                said.append("SLURM job id unknown: not requeued")
+            else:
+                code = slurm_requeue(job)
+                said.append(
+                    f"requeued SLURM job {job}"
+                    if code == 0
+                    else f"`scontrol requeue {job}` failed with code {code}"
+                )
+        said.append(f"exiting with code {SIGTERM_EXIT_CODE}")
+        if self.is_global_zero:
+            print(f"[lightning-pp] rank {self.global_rank}: " + "; ".join(said), flush=True)
+        exception.code = SIGTERM_EXIT_CODE
+
+    @override
+    def teardown(self) -> None:
+        self._stop_failure_handling()
+        super().teardown()

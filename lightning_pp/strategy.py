@@ -28,7 +28,6 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.core.optimizer import LightningOptimizer
@@ -280,6 +279,15 @@ class PipelineStrategy(ProcessGroupStrategy):
 
     # ------------------------------------------------------------------ launching
     @override
+    def watched_ranks(self) -> list[int]:
+        """Heartbeats checked: this pipeline's ranks and the next data-parallel replica's rank
+        (every rank is then watched by someone, at O(pp) store reads per rank)."""
+        if self.topology is None:
+            return super().watched_ranks()
+        topo = self.topology
+        return [*topo.pipeline_ranks, (self.global_rank + 1) % self.world_size]
+
+    @override
     def set_world_ranks(self) -> None:
         super().set_world_ranks()
         self._check_world()
@@ -517,8 +525,7 @@ class PipelineStrategy(ProcessGroupStrategy):
         assert self.topology is not None and self.groups is not None
         if self.topology.dp == 1:
             return value
-        value = value.clone()
-        dist.all_reduce(value, op=dist.ReduceOp.SUM, group=self.groups.dp_group)
+        value = self.all_reduce(value.clone(), group=self.groups.dp_group, what="the step loss")
         return value / self.topology.dp
 
     def clip_grad_by_global_norm(self, params: Sequence[nn.Parameter], max_norm: float) -> Tensor:
@@ -555,7 +562,7 @@ class PipelineStrategy(ProcessGroupStrategy):
                     raise
                 error, payload = e, [(False, {"type": type(e).__name__, "message": str(e)})]
         if self.pp > 1:
-            dist.broadcast_object_list(payload, src=src, group=self.groups.pp_group)
+            payload = [self.broadcast_object(payload[0], src, self.groups.pp_group, "outputs")]
         ok, value = payload[0]
         if error is not None:
             raise error
@@ -582,7 +589,7 @@ class PipelineStrategy(ProcessGroupStrategy):
                 values = module.pipeline_eval_step(output, batch, split)
             stacked = torch.stack([torch.as_tensor(v).detach().float() for v in values.values()])
             if topo.dp > 1:  # average over replicas (each saw a different shard)
-                dist.all_reduce(stacked, op=dist.ReduceOp.SUM, group=groups.dp_group)
+                self.all_reduce(stacked, group=groups.dp_group, what="the eval metrics")
                 stacked = stacked / topo.dp
             return list(values), stacked.cpu(), logs
 
@@ -686,7 +693,9 @@ class PipelineStrategy(ProcessGroupStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         """Publish this rank's failure (e.g. from a callback) so the other ranks stop waiting."""
-        if not isinstance(exception, PipelineAborted) and compat.distributed_is_initialized():
+        # SystemExit (SIGTERM) is a stop every rank takes together, not a failure to publish.
+        failed = not isinstance(exception, (PipelineAborted, SystemExit))
+        if failed and compat.distributed_is_initialized():
             where = "Lightning hook or step"
             report_failure(compat.default_store(), self.global_rank, where, exception)
         super().on_exception(exception)

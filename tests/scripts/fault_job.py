@@ -1,0 +1,78 @@
+"""A long Trainer + PipelineStrategy job for process-level fault tests (tests/test_fault_jobs.py).
+
+Usage: ``python fault_job.py PP WATCHDOG [sigterm]``. Every rank writes ``ready.<rank>`` (its
+pid) into ``$FAULT_DIR`` once its second training batch ended, then trains on (up to 100000
+steps) until the test signals one of them. Launched by Lightning's launcher (``devices=PP``),
+by torchrun (the world from its environment) or as SLURM tasks (``SLURM_*`` variables).
+
+With ``sigterm``, global rank 0 sends SIGTERM to its own process at batch 3 (a scheduler's
+preemption), or every rank does when ``FAULT_ALL_SIGTERM=1`` (SLURM signals every task).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from pp_common import MODEL_KW, Data
+
+from lightning_pp.models import GPT
+from lightning_pp.strategy import PipelineStrategy
+
+
+class Ready(Callback):
+    def __init__(self, out: str, sigterm: bool) -> None:
+        self.out, self.sigterm = out, sigterm
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        rank = trainer.global_rank
+        if batch_idx == 1:
+            path = os.path.join(self.out, f"ready.{rank}")
+            with open(path + ".tmp", "w") as f:
+                f.write(str(os.getpid()))
+            os.replace(path + ".tmp", path)
+        everyone = os.environ.get("FAULT_ALL_SIGTERM") == "1"
+        if self.sigterm and batch_idx == 3 and (rank == 0 or everyone):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def main() -> None:
+    pp, watchdog = int(sys.argv[1]), float(sys.argv[2])
+    sigterm = "sigterm" in sys.argv[3:]
+    out = os.environ["FAULT_DIR"]
+    torch.set_num_threads(1)
+    L.seed_everything(0, verbose=False)
+    launched = "TORCHELASTIC_RUN_ID" in os.environ or "SLURM_NTASKS" in os.environ
+    world = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", pp)))
+    nodes = int(os.environ.get("FAULT_NODES", "1"))
+    strategy = PipelineStrategy(pp=pp, microbatches=pp, watchdog_timeout=watchdog)
+    callbacks: list[Callback] = [Ready(out, sigterm)]
+    if sigterm:
+        callbacks.append(ModelCheckpoint(dirpath=os.path.join(out, "ckpt"), every_n_train_steps=0))
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world // nodes if launched else pp,
+        num_nodes=nodes,
+        strategy=strategy,
+        max_steps=100000,
+        max_epochs=-1,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        use_distributed_sampler=False,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=sigterm,
+        default_root_dir=out,
+        callbacks=callbacks,
+    )
+    trainer.fit(GPT(**MODEL_KW), Data(dp=world // pp, accumulate=1, train_samples=8 * 4000))
+    print(f"RANK-END {trainer.global_rank} finished", flush=True)
+
+
+if __name__ == "__main__":
+    main()
