@@ -175,9 +175,6 @@ class PipelineEngine:
             )
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
-        ops = {a.op for a in schedule.ranks[topology.pp_rank]}
-        if Op.W in ops:
-            raise NotImplementedError("split backward (W steps) is not supported by this engine")
         self.chunks = list(chunks)
         self.schedule = schedule
         self.topology = topology
