@@ -47,7 +47,7 @@ from .failure import DEFAULT_WATCHDOG_TIMEOUT, FailureMonitor, PipelineAborted, 
 from .numerics import FiniteChecker
 from .p2p import P2PCommunicator
 from .records import StepRecord
-from .schedules import Action, Op, Schedule, check_positive
+from .schedules import Action, Schedule, check_positive
 from .topology import PipelineTopology, ProcessGroups
 
 # The transfers of failed steps, never released (see the end of _run_actions).
