@@ -47,7 +47,7 @@ from .failure import DEFAULT_WATCHDOG_TIMEOUT, FailureMonitor, PipelineAborted, 
 from .numerics import FiniteChecker
 from .p2p import P2PCommunicator
 from .records import StepRecord
-from .schedules import Action, Op, Schedule, check_positive
+from .schedules import Action, Schedule, check_positive
 from .topology import PipelineTopology, ProcessGroups
 
 # The transfers of failed steps, never released (see the end of _run_actions).
@@ -181,9 +181,6 @@ class PipelineEngine:
             )
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
-        ops = {a.op for a in schedule.ranks[topology.pp_rank]}
-        if Op.W in ops:
-            raise NotImplementedError("split backward (W steps) is not supported by this engine")
         self.chunks = list(chunks)
         self.schedule = schedule
         self.topology = topology

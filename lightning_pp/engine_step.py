@@ -29,6 +29,7 @@ from .microbatch import batch_size_of, split_microbatches
 from .p2p import ACT, GRAD, Message, PendingRecv, RecvRequest, SendQueue, Spec, format_specs
 from .records import StepRecorder
 from .schedules import Action, Op, Schedule
+from .split_backward import WeightWork, backward_input, fused_backward
 from .topology import PipelineTopology
 
 if TYPE_CHECKING:
@@ -106,6 +107,8 @@ class Stash:
 
     def __init__(self, chunks: int) -> None:
         self.queues: list[deque[_Entry]] = [deque() for _ in range(chunks)]
+        # Per chunk, the I's whose W has not run (FIFO): (mb, saved bytes, what W needs).
+        self.deferred: list[deque[tuple[int, int, WeightWork]]] = [deque() for _ in range(chunks)]
         self.inflight = 0
         self.nbytes = 0
         self.saved_bytes = 0
@@ -123,6 +126,28 @@ class Stash:
         self.saved_bytes -= entry.saved_bytes
         self._drop(entry.held)
         return entry
+
+    def defer(self, chunk: int, entry: _Entry, work: WeightWork) -> None:
+        """After ``I`` popped ``entry``: it stays in flight, its saved bytes counted, until its
+        ``W`` (the retained graph holds the activations until then); its stashed inputs and
+        outputs are no longer held here."""
+        self.deferred[chunk].append((entry.mb, entry.saved_bytes, work))
+        self.inflight += 1
+        self.saved_bytes += entry.saved_bytes
+
+    def pop_deferred(self, action: Action, rank: int) -> WeightWork:
+        """The oldest ``I`` of ``action``'s chunk, which ``action`` (a ``W``) must match."""
+        q = self.deferred[action.chunk]
+        if not q or q[0][0] != action.mb:
+            raise RuntimeError(
+                f"rank {rank}: {action.describe()}: W order does not match I order: the oldest "
+                f"I of chunk {action.chunk} without its W is "
+                f"{f'mb={q[0][0]}' if q else 'none'} (pending {[e[0] for e in q]})"
+            )
+        _, saved, work = q.popleft()
+        self.inflight -= 1
+        self.saved_bytes -= saved
+        return work
 
     def release_outputs(self, chunk: int) -> None:
         """Drop the newest entry's hold on its sent outputs' storage (the send keeps its own
@@ -231,9 +256,12 @@ class StepRun:
         self.window = engine.comm.receive_window(
             len(self.actions), engine.recv_lookahead, self._needs_at
         )
-        # The action index of each chunk's last backward: its gradients are complete there.
+        # The action index of each chunk's last backward (B, or W of a split one): its weight
+        # gradients are complete there, not at its last I.
         self._last_backward = (
-            {a.chunk: i for i, a in enumerate(self.actions) if a.op is Op.B} if train else {}
+            {a.chunk: i for i, a in enumerate(self.actions) if a.op in (Op.B, Op.W)}
+            if train
+            else {}
         )
 
     # -- receives ------------------------------------------------------------------------------
@@ -248,7 +276,7 @@ class StepRun:
             if place.first:
                 return []
             return [RecvRequest(ACT, place.prev_rank, place.stage, action.mb, chunk=action.chunk)]
-        if place.last:
+        if place.last or action.op is Op.W:  # W communicates nothing
             return []
         if ahead:
             # Not necessarily the stash head: backwards before this one pop older entries
@@ -269,6 +297,9 @@ class StepRun:
         """Run ``action`` on what it received; return the messages it sends."""
         if action.op is Op.F:
             return self._forward(action, received)
+        if action.op is Op.W:
+            self._weight_backward(action)
+            return []
         return self._backward(action, received)
 
     def _forward(self, action: Action, received: Sequence[PendingRecv]) -> list[Message]:
@@ -382,24 +413,28 @@ class StepRun:
         else:
             all_grads = received[0].tensors if received else ()
             grads = tuple(all_grads[i] for i in entry.grad_positions)
-        if tensors:
-            # The autograd engine directly: torch.autograd.backward would reject a released
-            # output whose storage no longer matches its gradient's shape.
-            torch.autograd.Variable._execution_engine.run_backward(
-                tensors, grads, False, False, (), True, True
-            )
+        if action.op is Op.I:
+            # Input gradient only; what W needs waits in the chunk's W queue (FIFO like I's).
+            dx, work = backward_input(tensors, grads, entry.inputs)
+            self.stash.defer(c, entry, work)
+            got = [g for t, g in zip(entry.inputs, dx) if t.is_floating_point()]
+        else:
+            fused_backward(tensors, grads)
+            got = [t.grad for t in entry.inputs if t.is_floating_point()]
         if place.first:
             return []
-        in_grads = tuple(
-            (t.grad if t.grad is not None else torch.zeros_like(t))
-            for t in entry.inputs
-            if t.is_floating_point()
-        )
+        floating = [t for t in entry.inputs if t.is_floating_point()]
+        in_grads = tuple(g if g is not None else torch.zeros_like(t) for t, g in zip(floating, got))
         if not in_grads:
             return []
         if self.engine.finite_checker is not None:
             self.engine.finite_checker.input_grads(action, in_grads)
         return [Message(GRAD, place.prev_rank, place.stage - 1, mb, in_grads, True)]
+
+    def _weight_backward(self, action: Action) -> None:
+        """W: the weight gradients of the chunk's oldest I (FIFO), then its graph is freed."""
+        work = self.stash.pop_deferred(action, self.engine.rank)
+        work.run()
 
     # -- after the compute ---------------------------------------------------------------------
     def post(self, index: int, action: Action, messages: list[Message]) -> None:

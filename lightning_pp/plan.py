@@ -210,6 +210,15 @@ def bubble_warning(schedule: Schedule) -> str | None:
     it works.
     """
     p, m, v = schedule.pp, schedule.microbatches, schedule.vpp
+    if schedule.name == "zbv" and p >= 2 and p <= m < 2 * p:
+        simulated = simulate(schedule).bubble_ratio
+        better = simulate(build_schedule("zbv", p, 2 * p)).bubble_ratio
+        return (
+            f"schedule 'zbv' with microbatches={m} < 2*pp={2 * p}: ZB-V's bubble is near zero "
+            f"only from microbatches >= 2*pp; simulated bubble {simulated:.3f} of ideal compute "
+            f"(t_f = t_i = t_w), {better:.3f} with microbatches={2 * p}. Accepted; raise "
+            f"microbatches to {2 * p} or more."
+        )
     if p < 2 or m >= p:
         return None
     simulated = simulate(schedule).bubble_ratio
@@ -581,7 +590,8 @@ class PipelinePlan:
                 warnings.warn(text, PipelineWarning, stacklevel=2)
         plan = cls(
             pp=pp,
-            vpp=vpp,
+            # the schedule's own chunk count: zbv runs 2 chunks per rank when vpp is unset (1)
+            vpp=built.vpp,
             microbatches=built.microbatches,
             schedule=built,
             partition=partition if isinstance(partition, str) else tuple(partition),

@@ -148,8 +148,16 @@ def measured_costs(records: Sequence[StepRecord]) -> Costs:
     def mean(values: list[float]) -> float:
         return sum(values) / len(values) if values else 0.0
 
-    overrides = {(r, c): (mean(sums[(r, c, Op.F)]), mean(sums[(r, c, Op.B)])) for r, c in keys}
-    total = sum(tf + tb for tf, tb in overrides.values())
+    overrides: dict[tuple[int, int], tuple[float, ...]] = {}
+    for r, c in keys:
+        tf = mean(sums[(r, c, Op.F)])
+        if sums[(r, c, Op.I)] or sums[(r, c, Op.W)]:
+            # a split backward: I and W measured apart; a fused B costs their sum
+            ti, tw = mean(sums[(r, c, Op.I)]), mean(sums[(r, c, Op.W)])
+            overrides[(r, c)] = (tf, ti + tw, ti, tw)
+        else:
+            overrides[(r, c)] = (tf, mean(sums[(r, c, Op.B)]))
+    total = sum(costs[0] + costs[1] for costs in overrides.values())
     if total <= 0:  # all-zero measurement (a mocked clock): keep Costs' own validation happy
         return Costs()
     return Costs(overrides=overrides)
@@ -161,19 +169,23 @@ def _receives(records: Sequence[StepRecord], offsets: list[float]):
     one, e.g. simulated timelines, whose dependencies count from the end)."""
     schedule = records[0].schedule
     last = schedule.num_stages - 1
-    sent: dict[tuple[Op, int, int], float] = {}  # (op, mb, stage) -> aligned send time
+    # (forward?, mb, stage) -> aligned send time; a gradient is sent by a B or an I
+    sent: dict[tuple[bool, int, int], float] = {}
     for rec, off in zip(records, offsets):
         for e in rec.events:
+            if e.action.op is Op.W:
+                continue  # sends nothing
             t = e.send_time if e.send_time is not None else e.end
-            sent[(e.action.op, e.action.mb, schedule.stage(rec.pp_rank, e.action.chunk))] = t - off
+            key = (e.action.op is Op.F, e.action.mb, schedule.stage(rec.pp_rank, e.action.chunk))
+            sent[key] = t - off
     out = []
     for rec, off in zip(records, offsets):
         for e in rec.events:
             stage = schedule.stage(rec.pp_rank, e.action.chunk)
             if e.action.op is Op.F and stage > 0:
-                t = sent.get((Op.F, e.action.mb, stage - 1))
-            elif e.action.op is Op.B and stage < last:
-                t = sent.get((Op.B, e.action.mb, stage + 1))
+                t = sent.get((True, e.action.mb, stage - 1))
+            elif e.action.op.is_backward and stage < last:
+                t = sent.get((False, e.action.mb, stage + 1))
             else:
                 continue
             if t is not None:
@@ -247,7 +259,12 @@ class BubbleStats:
         return sum(self.compute)
 
 
+_CATEGORY = {Op.F: "forward", Op.B: "backward", Op.I: "input-grad", Op.W: "weight-grad"}
+
+
 def _is_receive(schedule: Schedule, rank: int, action: Action) -> bool:
+    if action.op is Op.W:
+        return False  # a weight gradient needs nothing from another stage
     stage = schedule.stage(rank, action.chunk)
     if action.op is Op.F:
         return stage > 0
@@ -283,13 +300,16 @@ def bubble_stats(
     costs = measured_costs(recs)
     # A receiving action costs its compute plus the receive overhead; the hop latency counts
     # from the send being posted, of which the overhead is the part every receive pays.
-    overrides = {
-        (r, c): (
-            tf + (overhead if _is_receive(schedule, r, Action(Op.F, 0, c)) else 0.0),
-            tb + (overhead if _is_receive(schedule, r, Action(Op.B, 0, c)) else 0.0),
-        )
-        for (r, c), (tf, tb) in costs.overrides.items()
-    }
+    overrides: dict[tuple[int, int], tuple[float, ...]] = {}
+    for (r, c), measured in costs.overrides.items():
+        f_extra = overhead if _is_receive(schedule, r, Action(Op.F, 0, c)) else 0.0
+        b_extra = overhead if _is_receive(schedule, r, Action(Op.B, 0, c)) else 0.0
+        tf, tb, *split = measured
+        if split:  # I receives the gradient (W receives nothing)
+            ti, tw = split
+            overrides[(r, c)] = (tf + f_extra, tb + b_extra, ti + b_extra, tw)
+        else:
+            overrides[(r, c)] = (tf + f_extra, tb + b_extra)
     expected = simulate(
         schedule,
         Costs(
@@ -430,7 +450,7 @@ def trace_events(
                 {
                     "ph": "X",
                     "name": e.action.short(show_chunk),
-                    "cat": "forward" if e.action.op is Op.F else "backward",
+                    "cat": _CATEGORY[e.action.op],
                     "pid": pid,
                     "tid": 0,
                     "ts": round(ts, 3),

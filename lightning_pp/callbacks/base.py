@@ -10,7 +10,6 @@ from lightning.pytorch.callbacks import Callback
 
 from .._lightning_compat import logging_step
 from ..records import StepRecord
-from ..schedules import Op
 from .gather import GatheredStep, gather_cached
 
 
@@ -47,7 +46,7 @@ class PipelineCallback(Callback):
         if not isinstance(record, StepRecord):
             return None
         actions = record.schedule.ranks[record.pp_rank]
-        if not any(a.op is Op.B for a in actions) or len(record.events) != len(actions):
+        if not any(a.op.is_backward for a in actions) or len(record.events) != len(actions):
             return None  # an evaluation record, or an incomplete step
         return record
 

@@ -132,6 +132,10 @@ class _JoinTanh(torch.autograd.Function):
     """``y = tanh(z_x + z_w)``; its backward hands ``grad_y`` unchanged to both paths, which
     apply the ``tanh`` derivative themselves (inside their timed window)."""
 
+    # Its backward only passes the gradient on (no compute, no side effects), so a split
+    # backward may run it in both I and W (see lightning_pp.split_backward).
+    split_backward_safe = True
+
     @staticmethod
     def forward(ctx, z_x, z_w, y_box: list, deadline: float):  # type: ignore[override]
         y = torch.tanh(z_x + z_w)

@@ -66,7 +66,8 @@ class SyncProbe(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         s = trainer.strategy
         record = s.last_record
-        backs = [e for e in record.events if e.action.op is Op.B]
+        # the chunk's weight gradients are complete after its last B (or W of a split one)
+        backs = [e for e in record.events if e.action.op in (Op.B, Op.W)]
         last_b = {}
         for e in backs:
             last_b[e.action.chunk] = {"start": e.start, "end": e.end}
