@@ -37,6 +37,7 @@ from engine_models import (
 from lightning_pp.engine import PipelineEngine
 from lightning_pp.failure import FailureMonitor
 from lightning_pp.nccl_emulation import ENV_VAR
+from lightning_pp.p2p import ACT, GRAD, Message, P2PCommunicator, RecvRequest
 from lightning_pp.partition import PipelineChunk, partition_layers
 from lightning_pp.schedules import Action, Op, Schedule, build_schedule
 from lightning_pp.topology import PipelineTopology, ProcessGroups
@@ -107,7 +108,10 @@ def _schedule(case) -> Schedule:
     if case["schedule"] == "gpipe-v":
         return v_schedule(case["pp"], case["m"])
     return build_schedule(
-        case["schedule"], pp=case["pp"], microbatches=case["m"], vpp=case["vpp"],
+        case["schedule"],
+        pp=case["pp"],
+        microbatches=case["m"],
+        vpp=case["vpp"],
         group_size=case["group"],
     )
 
@@ -202,6 +206,83 @@ def _run_case(rank, case, index):
     return out
 
 
+# ---- what the emulation must catch (communicator level, pp=2: rank 0 holds stages 0 and 2) ----
+FAULT_WATCHDOG = 2.0
+
+
+def _exchange_case(rank, index, kind, emulate):
+    """One of the two bugs, on a fresh pp=2 group; returns what each rank saw."""
+    topo = PipelineTopology.from_world(WORLD, rank, 2)
+    groups, monitor = _fresh(topo, f"nccl-fault{index}", FAULT_WATCHDOG)
+    if not emulate:
+        monitor.poll_works = False  # gloo's own setting (helper-thread waits)
+    static = kind == "misordered-same-size"
+    comm = P2PCommunicator(
+        topo, groups.pp_group, static_shapes=static, monitor=monitor, emulate_nccl=emulate
+    )
+    peer = topo.pipeline_ranks[1 - topo.pp_rank]
+    first = topo.pp_rank == 0
+    x = torch.arange(32, dtype=torch.float32).reshape(4, 8) + 100 * topo.pp_rank
+    g = -torch.arange(32, dtype=torch.float32).reshape(4, 8)
+    spec = [((4, 8), torch.float32)]
+    got = {}
+    try:
+        if kind.startswith("misordered"):
+            # rank 0: the activation for stage 1 (from stage 0) and the gradient for stage 1
+            # (from stage 2's backward), in this order; rank 1 posts the receives the other way
+            # round. gloo matches by tag (channel); NCCL by position.
+            if static:  # agree the activation's shape first (the header goes once)
+                if first:
+                    sent, _ = comm.exchange([Message(ACT, peer, 1, 0, (x,), False)], [])
+                    sent.wait()
+                else:
+                    _, (p,) = comm.exchange([], [RecvRequest(ACT, peer, 1, 0)])
+                    comm.receive(p)
+            if first:
+                msgs = [Message(ACT, peer, 1, 0, (x,), False), Message(GRAD, peer, 1, 0, (g,))]
+                sent, _ = comm.exchange(msgs, [])
+                sent.wait()
+            else:
+                reqs = [RecvRequest(GRAD, peer, 1, 0, spec), RecvRequest(ACT, peer, 1, 0)]
+                _, (pg, pa) = comm.exchange([], reqs)
+                got["grad"] = comm.receive(pg)[0].equal(g)
+                got["act"] = comm.receive(pa)[0].equal(x - 100 * topo.pp_rank)
+        elif kind == "circular-header":
+            # each sends an activation (header + data) to the other and, in the same batch,
+            # receives the header of the other's; the data receive goes out once it arrived
+            stage_out, stage_in = (1, 2) if first else (2, 1)
+            msg = Message(ACT, peer, stage_out, 0, (x,), False)
+            sent, (p,) = comm.exchange([msg], [RecvRequest(ACT, peer, stage_in, 0)])
+            got["act"] = comm.receive(p)[0].equal(x + (100 if first else -100))
+            sent.wait()
+        elif kind == "ordered-header":
+            # the same two messages posted in the global order (rank 0's first): the protocol
+            # the engine uses under NCCL
+            stage_out, stage_in = (1, 2) if first else (2, 1)
+            msg = Message(ACT, peer, stage_out, 0, (x,), False)
+            req = RecvRequest(ACT, peer, stage_in, 0)
+            steps = [([msg], []), ([], [req])] if first else [([], [req]), ([msg], [])]
+            sends = []
+            for out_msgs, reqs in steps:
+                sent, pendings = comm.exchange_ordered(out_msgs, reqs)
+                sends.append(sent)
+                for p in pendings:
+                    got["act"] = comm.receive(p)[0].equal(x + (100 if first else -100))
+            for sent in sends:
+                sent.wait()
+    except Exception as e:
+        monitor.report_failure(kind, e)
+        return {"error": f"{type(e).__name__}: {e}"}
+    return {"ok": True, **got}
+
+
+FAULTS = [
+    (kind, emulate)
+    for kind in ("misordered", "misordered-same-size", "circular-header", "ordered-header")
+    for emulate in (False, True)
+]
+
+
 def _grid_worker(rank, world_size, cases):
     os.environ[ENV_VAR] = "1"
     out = {}
@@ -214,6 +295,11 @@ def _grid_worker(rank, world_size, cases):
             out[case["id"]] = {"error": f"{type(e).__name__}: {e}"}
         out[case["id"]]["seconds"] = time.perf_counter() - t
     out["seconds"] = time.perf_counter() - t0
+    for index, (kind, emulate) in enumerate(FAULTS):
+        t = time.perf_counter()
+        r = _exchange_case(rank, index, kind, emulate)
+        r["seconds"] = time.perf_counter() - t
+        out[(kind, emulate)] = r
     return out
 
 
@@ -241,3 +327,44 @@ def test_grid_matches_unpipelined_under_nccl_rules(grid, case):
         assert r["grad_err"] <= TOL, f"rank {rank}: grad rel err {r['grad_err']:.3g} {r['worst']}"
         got, ref = r["eval"]
         assert _rel(got, ref) <= TOL, f"rank {rank}: eval loss {got} != reference {ref}"
+
+
+def _fault(grid, kind, emulate):
+    return [grid[r][(kind, emulate)] for r in range(WORLD)]
+
+
+@pytest.mark.parametrize("kind", ["misordered", "misordered-same-size"])
+def test_misordered_pair_passes_on_gloo_and_fails_under_emulation(grid, kind):
+    for r in _fault(grid, kind, False):
+        assert r.get("ok"), r
+        assert r.get("grad", True) and r.get("act", True), r  # right tensors by tag on gloo
+    results = _fault(grid, kind, True)
+    receivers = [r for rank, r in enumerate(results) if rank >= 2]  # pp_rank 1
+    for r in receivers:
+        text = r["error"]
+        assert "NcclOrderError" in text, text
+        assert "receive #" in text and "expects the gradient for stage 1" in text
+        what = "activation" if kind == "misordered-same-size" else "activation header"
+        assert f"is the {what} for stage 1" in text, text
+        assert ("silently" in text) == (kind == "misordered-same-size"), text
+    for r in results[:2]:  # the senders stop (abort channel) or are named by the watchdog
+        assert "PipelineAborted" in r["error"] or "watchdog" in r["error"], r
+        assert r["seconds"] < FAULT_WATCHDOG + 5
+
+
+def test_circular_header_wait_passes_on_gloo_and_hangs_under_emulation(grid):
+    for r in _fault(grid, "circular-header", False):
+        assert r == {"ok": True, "act": True, "seconds": r["seconds"]}
+    results = _fault(grid, "circular-header", True)
+    hung = [r["error"] for r in results if "watchdog: blocked" in r["error"]]
+    assert hung, results
+    assert any("waiting for the shape header of the activation of mb=0" in t for t in hung), hung
+    for r in results:
+        assert "PipelineHang" in r["error"] or "PipelineAborted" in r["error"], r
+        assert r["seconds"] < FAULT_WATCHDOG + 5
+
+
+@pytest.mark.parametrize("emulate", [False, True])
+def test_ordered_posting_exchanges_headers_safely(grid, emulate):
+    for r in _fault(grid, "ordered-header", emulate):
+        assert r.get("ok") and r["act"], r
