@@ -34,11 +34,12 @@ that channel may go out ahead of it (:meth:`P2PCommunicator.may_post_ahead`); a 
 receive may, since headers have their own tag.
 
 Tags separate channels on gloo: ``tag = ((stage * 2 + kind) * 2 + is_header)`` where ``stage``
-is the receiving virtual stage. NCCL ignores tags and matches messages between a pair of ranks
-in posting order; that holds here because each side posts a channel's messages in schedule
-order and, on NCCL, the receiver has at most one message per channel outstanding (it posts the
-receives of the next step only). A message whose peer is this very rank (pp=1 with several
-chunks) is handed over in-process.
+is the receiving virtual stage. NCCL ignores tags, matches a pair's messages in posting order and
+runs a rank's operations on one stream; there the window posts in the schedule's global message
+order instead (:mod:`lightning_pp.p2p_order`, :meth:`P2PCommunicator.exchange_ordered`: a header
+is waited for before anything later in that order is posted). ``LIGHTNING_PP_EMULATE_NCCL=1``
+runs gloo under NCCL's rules for tests (:mod:`lightning_pp.nccl_emulation`). A message whose
+peer is this very rank (pp=1 with several chunks) is handed over in-process.
 
 Example (on every rank of an initialized pipeline group)::
 
