@@ -135,9 +135,8 @@ class PipelineEngine:
             it costs a hop latency on every dependent action (0.1 ms idle, about 0.6 ms on a
             loaded 2-core machine). Each posted receive holds one boundary buffer, so this
             bounds the extra memory. ``None``: :data:`GLOO_RECV_LOOKAHEAD` on gloo with
-            pp > 1, else 1 (NCCL queues a rank's P2P on one stream, so an early receive would
-            hold back this rank's sends and can deadlock two neighbours that wait for each
-            other).
+            pp > 1, else 1. Not used on NCCL: there receives follow the schedule's global
+            message order (:mod:`lightning_pp.p2p_order`), which one stream per rank needs.
 
     The batch given to ``train_step``/``eval_step`` must already be on ``device``; every rank of
     a pipeline gets the same batch (the first stage reads inputs, the last stage the targets).
