@@ -49,6 +49,7 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=16, help="per data-parallel replica")
     p.add_argument("--n-layer", type=int, default=6)
     p.add_argument("--precision", default="32-true")
+    p.add_argument("--accelerator", default="cpu", help="cpu (gloo) or gpu (NCCL)")
     args = p.parse_args()
     torch.set_num_threads(1)
 
@@ -77,7 +78,7 @@ def main() -> None:
     train = DataLoader(Progressions(4096, vocab, block, seed=1), batch_size=args.batch_size)
     val = DataLoader(Progressions(256, vocab, block, seed=2), batch_size=args.batch_size)
     trainer = L.Trainer(
-        accelerator="cpu",
+        accelerator=args.accelerator,
         devices=devices,
         num_nodes=num_nodes,
         strategy=strategy,

@@ -45,7 +45,7 @@ from torch import nn
 from .engine_step import StepRun, place_chunks
 from .failure import DEFAULT_WATCHDOG_TIMEOUT, FailureMonitor, PipelineAborted, PipelineHang
 from .numerics import FiniteChecker
-from .p2p import P2PCommunicator
+from .p2p import P2PCommunicator, p2p_backend
 from .records import StepRecord
 from .schedules import Action, Schedule, check_positive
 from .topology import PipelineTopology, ProcessGroups
@@ -135,9 +135,8 @@ class PipelineEngine:
             it costs a hop latency on every dependent action (0.1 ms idle, about 0.6 ms on a
             loaded 2-core machine). Each posted receive holds one boundary buffer, so this
             bounds the extra memory. ``None``: :data:`GLOO_RECV_LOOKAHEAD` on gloo with
-            pp > 1, else 1 (NCCL queues a rank's P2P on one stream, so an early receive would
-            hold back this rank's sends and can deadlock two neighbours that wait for each
-            other).
+            pp > 1, else 1. Not used on NCCL: there receives follow the schedule's global
+            message order (:mod:`lightning_pp.p2p_order`), which one stream per rank needs.
 
     The batch given to ``train_step``/``eval_step`` must already be on ``device``; every rank of
     a pipeline gets the same batch (the first stage reads inputs, the last stage the targets).
@@ -201,17 +200,21 @@ class PipelineEngine:
             if check_finite
             else None
         )
+        pp_group = groups.pp_group if groups is not None else None
+        # "nccl" also under the NCCL emulation (a test harness), so its defaults apply there.
+        backend = p2p_backend(pp_group)
         self.monitor: FailureMonitor | None = failure_monitor
         if self.monitor is None and abort_on_failure and dist.is_initialized():
-            pipeline = topology.pipeline_ranks
             self.monitor = FailureMonitor.from_default_store(
-                topology.rank, watchdog_timeout=watchdog_timeout, pipeline_ranks=pipeline
+                topology.rank,
+                watchdog_timeout=watchdog_timeout,
+                pipeline_ranks=topology.pipeline_ranks,
+                poll_works=backend == "nccl",
             )
         if device is None:
             params = [p for c in self.chunks for p in c.parameters()]
             device = params[0].device if params else torch.device("cpu")
         self.device = torch.device(device)
-        pp_group = groups.pp_group if groups is not None else None
         self.comm = P2PCommunicator(
             topology,
             pp_group,
@@ -219,22 +222,18 @@ class PipelineEngine:
             static_shapes=static_shapes,
             monitor=self.monitor,
         )
-        self.recv_lookahead = self._resolve_lookahead(recv_lookahead, pp_group)
+        self.recv_lookahead = self._resolve_lookahead(recv_lookahead, backend)
         # Parameters are excluded from ``saved_bytes`` (they are not activation memory).
         self.param_storages = {
             p.untyped_storage().data_ptr() for c in self.chunks for p in c.parameters()
         }
 
-    def _resolve_lookahead(self, lookahead: int | None, pp_group: dist.ProcessGroup | None) -> int:
+    def _resolve_lookahead(self, lookahead: int | None, backend: str) -> int:
         if lookahead is not None:
             check_positive(recv_lookahead=lookahead)
         if self.pp == 1:
             return 1  # every message is in-process: a receive exists only once it was sent
         if lookahead is None:
-            try:
-                backend = str(dist.get_backend(pp_group))
-            except Exception:  # no process group (single-rank unit tests)
-                backend = "gloo"
             return 1 if backend == "nccl" else GLOO_RECV_LOOKAHEAD
         return lookahead
 

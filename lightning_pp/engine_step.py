@@ -27,6 +27,7 @@ import torch
 
 from .microbatch import batch_size_of, split_microbatches
 from .p2p import ACT, GRAD, Message, PendingRecv, RecvRequest, SendQueue, Spec, format_specs
+from .p2p_order import message_order
 from .records import StepRecorder
 from .schedules import Action, Op, Schedule
 from .split_backward import WeightWork, backward_input, fused_backward
@@ -253,8 +254,10 @@ class StepRun:
         self.loss = torch.zeros((), dtype=torch.float32, device=engine.device)
         self.outputs: dict[int, Any] = {}
         self.sends = SendQueue()
+        # NCCL: post in the schedule's global message order (one stream per rank; see p2p_order)
+        order = message_order(schedule)[engine.pp_rank] if engine.comm.ordered_posting else None
         self.window = engine.comm.receive_window(
-            len(self.actions), engine.recv_lookahead, self._needs_at
+            len(self.actions), engine.recv_lookahead, self._needs_at, order
         )
         # The action index of each chunk's last backward (B, or W of a split one): its weight
         # gradients are complete there, not at its last I.

@@ -34,11 +34,12 @@ that channel may go out ahead of it (:meth:`P2PCommunicator.may_post_ahead`); a 
 receive may, since headers have their own tag.
 
 Tags separate channels on gloo: ``tag = ((stage * 2 + kind) * 2 + is_header)`` where ``stage``
-is the receiving virtual stage. NCCL ignores tags and matches messages between a pair of ranks
-in posting order; that holds here because each side posts a channel's messages in schedule
-order and, on NCCL, the receiver has at most one message per channel outstanding (it posts the
-receives of the next step only). A message whose peer is this very rank (pp=1 with several
-chunks) is handed over in-process.
+is the receiving virtual stage. NCCL ignores tags, matches a pair's messages in posting order and
+runs a rank's operations on one stream; there the window posts in the schedule's global message
+order instead (:mod:`lightning_pp.p2p_order`, :meth:`P2PCommunicator.exchange_ordered`: a header
+is waited for before anything later in that order is posted). ``LIGHTNING_PP_EMULATE_NCCL=1``
+runs gloo under NCCL's rules for tests (:mod:`lightning_pp.nccl_emulation`). A message whose
+peer is this very rank (pp=1 with several chunks) is handed over in-process.
 
 Example (on every rank of an initialized pipeline group)::
 
@@ -62,6 +63,8 @@ import torch.distributed as dist
 from torch.distributed import Work
 
 from .failure import FailureMonitor
+from .nccl_emulation import EmulatedStream, emulation_enabled
+from .p2p_order import RankOrder
 from .topology import PipelineTopology
 
 __all__ = [
@@ -76,6 +79,7 @@ __all__ = [
     "SendQueue",
     "Spec",
     "format_specs",
+    "p2p_backend",
 ]
 
 ACT, GRAD = 0, 1
@@ -123,6 +127,19 @@ def _arm(buffer: torch.Tensor) -> torch.Tensor | None:
 def _landed(marks: Sequence[torch.Tensor | None]) -> bool:
     """True if every marked buffer's mark was overwritten (its message has arrived)."""
     return bool(marks) and all(m is not None and not torch.equal(m, _LANDING_MARK) for m in marks)
+
+
+def p2p_backend(group: dist.ProcessGroup | None) -> str:
+    """The backend whose rules the pipeline traffic on ``group`` follows: ``"nccl"`` under the
+    NCCL emulation (:mod:`lightning_pp.nccl_emulation`), else the group's backend (``"gloo"``
+    without a process group). The engine picks its defaults (receive lookahead, how the monitor
+    waits) from it."""
+    if emulation_enabled():
+        return "nccl"
+    try:
+        return str(dist.get_backend(group))
+    except Exception:  # no process group (single-rank unit tests)
+        return "gloo"
 
 
 def format_specs(specs: Sequence[Spec]) -> str:
@@ -298,6 +315,9 @@ class P2PCommunicator:
         header_len: int64 words per header (bounds tensors per activation and their ranks).
         monitor: abort channel and hang watchdog for every blocking wait (``None``: plain
             blocking waits, as torch does them).
+        emulate_nccl: run the traffic under NCCL's matching, coalescing and stream rules on
+            gloo (a test harness: :mod:`lightning_pp.nccl_emulation`); ``None``: the
+            ``LIGHTNING_PP_EMULATE_NCCL`` environment variable decides.
     """
 
     def __init__(
@@ -309,6 +329,7 @@ class P2PCommunicator:
         static_shapes: bool = False,
         header_len: int = 64,
         monitor: FailureMonitor | None = None,
+        emulate_nccl: bool | None = None,
     ) -> None:
         self.topology = topology
         self.monitor = monitor
@@ -316,22 +337,31 @@ class P2PCommunicator:
         self.device = torch.device(device)
         self.static_shapes = static_shapes
         self.header_len = header_len
-        # Landing marks only help where a monitor would otherwise hand the wait to a thread.
-        self._mark_landing = (
-            monitor is not None and not monitor.poll_works and self.device.type == "cpu"
-        )
         self._agreed: dict[tuple[int, int], tuple[bool, list[Spec]]] = {}
         # Per receiving stage, the activation receives still waiting for their header (the
         # channel's queue: their data receives are posted as the headers arrive).
         self._awaiting_header: dict[int, int] = {}
         self._local: dict[tuple[int, int, int], deque[tuple[bool, tuple[torch.Tensor, ...]]]] = {}
+        emulate = emulation_enabled() if emulate_nccl is None else emulate_nccl
+        self.backend = "nccl" if emulate else p2p_backend(group)
+        self._stream: EmulatedStream | None = None
+        if emulate and topology.pp > 1:
+            self._stream = EmulatedStream(group, rank=topology.rank, describe=self.describe_tag)
+        # Landing marks only help where a monitor would otherwise hand the wait to a thread.
+        # Not under the emulation: a landed message does not complete its coalesced batch.
+        self._mark_landing = (
+            monitor is not None
+            and not monitor.poll_works
+            and self.device.type == "cpu"
+            and self._stream is None
+        )
         if topology.pp > 1:
             if group is None:
                 raise ValueError(f"pp={topology.pp} needs a pp process group, got None")
             # NCCL requires the first batched P2P call on a group to involve every member; a
             # collective first makes communicator creation collective and deterministic.
             probe = torch.zeros(1, device=self.device)
-            work = dist.all_reduce(probe, group=group, async_op=True)
+            work = self._collective(lambda: dist.all_reduce(probe, group=group, async_op=True))
             # Ranks reach this point seconds apart (model building, data loading, a previous
             # job's teardown): a short step watchdog must not fire here, only a real hang.
             self._wait(
@@ -339,6 +369,24 @@ class P2PCommunicator:
                 "waiting for the other pipeline ranks to build their engine",
                 min_timeout=SETUP_RENDEZVOUS_TIMEOUT,
             )
+
+    @property
+    def ordered_posting(self) -> bool:
+        """Post in the schedule's global message order (:mod:`lightning_pp.p2p_order`): what
+        NCCL's one stream per rank needs (gloo matches by tag and needs no order)."""
+        return self.backend == "nccl" and self.topology.pp > 1
+
+    @property
+    def emulating_nccl(self) -> bool:
+        """True when the traffic runs under the NCCL emulation."""
+        return self._stream is not None
+
+    def _collective(self, start: Callable[[], Work | None]) -> Work | None:
+        """Start a collective on the pp group (on the emulated stream, behind earlier batches,
+        as NCCL runs it on the same stream as the group's point-to-point batches)."""
+        if self._stream is not None:
+            return self._stream.collective(start)  # type: ignore[return-value]
+        return start()
 
     # -- blocking ----------------------------------------------------------------------------
     def _wait(self, works: Sequence[Work], what: str, min_timeout: float = 0.0) -> None:
@@ -383,13 +431,21 @@ class P2PCommunicator:
     def broadcast(self, tensor: torch.Tensor, src: int, what: str) -> None:
         """Broadcast ``tensor`` from global rank ``src`` over the pp group, in place (watched
         like every other wait; ``what`` describes it in hang and abort messages)."""
-        work = dist.broadcast(tensor, src=src, group=self.group, async_op=True)
+        work = self._collective(
+            lambda: dist.broadcast(tensor, src=src, group=self.group, async_op=True)
+        )
         self._wait([work] if work is not None else [], what)
 
     # -- tags and headers ------------------------------------------------------------------
     @staticmethod
     def tag(kind: int, stage: int, header: bool) -> int:
         return ((stage * 2 + kind) * 2) + int(header)
+
+    @staticmethod
+    def describe_tag(tag: int) -> str:
+        """What a message with ``tag`` carries: ``the activation header for stage 3``."""
+        header, kind, stage = tag % 2, (tag // 2) % 2, tag // 4
+        return f"the {_KIND[kind]}{' header' if header else ''} for stage {stage}"
 
     def _encode(self, msg: Message) -> torch.Tensor:
         words = [_MAGIC, msg.mb, int(msg.is_tuple), len(msg.tensors)]
@@ -464,6 +520,8 @@ class P2PCommunicator:
         """``batch_isend_irecv``; a failure caused by a peer that already aborted says so."""
         if not ops:
             return []
+        if self._stream is not None:
+            return [self._stream.batch(ops)]  # type: ignore[list-item]
         try:
             return list(dist.batch_isend_irecv(ops))
         except Exception as e:
@@ -486,6 +544,32 @@ class P2PCommunicator:
         for msg in sends:
             self._add_send(batch, msg, sent)
         pendings = [self._add_recv(batch, req) for req in recvs]
+        batch.assign(self._post(batch.ops, "posting sends/receives"))
+        return sent, pendings
+
+    def exchange_ordered(
+        self, sends: Sequence[Message], recvs: Sequence[RecvRequest]
+    ) -> tuple[PendingSend, list[PendingRecv]]:
+        """:meth:`exchange` for ordered posting: ``recvs`` come in the global message order, and
+        an activation whose shape is not agreed yet gets its data receive posted before
+        anything later in that order, so this waits for its header here (a batch of its own;
+        the wait is added to the receive's ``waited``)."""
+        me = self.topology.rank
+        batch = _OpBatch(self.group)
+        sent = PendingSend([], [], self.monitor, [m.peer for m in sends if m.peer != me])
+        for msg in sends:
+            self._add_send(batch, msg, sent)
+        pendings = []
+        for req in recvs:
+            pending = self._add_recv(batch, req)
+            pendings.append(pending)
+            if pending.header is not None:
+                batch.assign(self._post(batch.ops, "posting sends/receives"))
+                batch = _OpBatch(self.group)
+                t0 = time.perf_counter()
+                self._wait_recv(pending, header=True)
+                self._post_data(pending)
+                pending.waited += time.perf_counter() - t0
         batch.assign(self._post(batch.ops, "posting sends/receives"))
         return sent, pendings
 
@@ -561,9 +645,12 @@ class P2PCommunicator:
                 f"{format_specs(got)}; use static_shapes=False for varying shapes"
             )
 
-    def receive_window(self, count: int, lookahead: int, needs: Needs) -> ReceiveWindow:
-        """A :class:`ReceiveWindow` over ``count`` actions (one step of one rank)."""
-        return ReceiveWindow(self, count, lookahead, needs)
+    def receive_window(
+        self, count: int, lookahead: int, needs: Needs, order: RankOrder | None = None
+    ) -> ReceiveWindow:
+        """A :class:`ReceiveWindow` over ``count`` actions (one step of one rank); ``order``:
+        post in that global message order instead of ``lookahead`` actions ahead."""
+        return ReceiveWindow(self, count, lookahead, needs, order)
 
 
 Needs = Callable[[int, bool], "list[RecvRequest] | None"]
@@ -591,19 +678,30 @@ class ReceiveWindow:
             sent = window.exchange(compute(action, received), after=i)
     """
 
-    def __init__(self, comm: P2PCommunicator, count: int, lookahead: int, needs: Needs) -> None:
+    def __init__(
+        self,
+        comm: P2PCommunicator,
+        count: int,
+        lookahead: int,
+        needs: Needs,
+        order: RankOrder | None = None,
+    ) -> None:
         self.comm = comm
         self.count = count
         self.lookahead = lookahead
+        self.order = order
         self._needs = needs
         self._posted: dict[int, list[PendingRecv]] = {}
         self.posted_after: dict[int, int] = {}  # action index -> index it was posted after
         self._upto = -1  # the last action whose receives were posted
+        self._taken: set[int] = set()  # ordered posting: actions whose receives were posted
         self.current: list[PendingRecv] = []  # the receives taken by the last wait()
 
     def exchange(self, sends: Sequence[Message], *, after: int) -> PendingSend:
         """Post ``sends`` (of action ``after``; ``-1`` before the first) with the receives of the
         actions up to ``after + lookahead`` not posted yet, in one batched call."""
+        if self.order is not None:
+            return self._exchange_ordered(sends, after)
         reqs: list[RecvRequest] = []
         counts: list[tuple[int, int]] = []
         j, last = self._upto + 1, min(after + self.lookahead, self.count - 1)
@@ -623,6 +721,42 @@ class ReceiveWindow:
             if n:
                 self.posted_after[index] = after
         self._upto = j - 1
+        return sent
+
+    def _exchange_ordered(self, sends: Sequence[Message], after: int) -> PendingSend:
+        """Ordered posting (NCCL): with ``sends`` go the receives of every later action whose
+        message comes before this rank's next send in the global order, in that order (and the
+        next action's, e.g. an in-process hand-over)."""
+        order = self.order
+        assert order is not None
+        bound = order.next_send(after)
+        chosen = []
+        for j in range(max(after + 1, 0), self.count):
+            if j in self._taken:
+                continue
+            number = order.recv[j]
+            if j == after + 1 or (number is not None and (bound is None or number < bound)):
+                chosen.append((-1 if number is None else number, j))
+        chosen.sort()
+        reqs: list[RecvRequest] = []
+        counts: list[tuple[int, int]] = []
+        for _, j in chosen:
+            needs = self._needs(j, j > after + 1)
+            if needs is None:
+                raise RuntimeError(
+                    f"rank {self.comm.topology.rank}: ordered posting: the receive of action "
+                    f"{j} is due after action {after} but its shape is not known yet"
+                )
+            reqs += needs
+            counts.append((j, len(needs)))
+        sent, pendings = self.comm.exchange_ordered(sends, reqs)
+        k = 0
+        for index, n in counts:
+            self._posted[index] = pendings[k : k + n]
+            self._taken.add(index)
+            k += n
+            if n:
+                self.posted_after[index] = after
         return sent
 
     def outstanding(self) -> list[PendingRecv]:
