@@ -1,14 +1,18 @@
-"""Progress bar for pipelined runs (loss, tokens/s, measured bubble) and a per-step loss file.
+"""How a run shows its progress, and how it ends: progress displays, a loss file, a final
+validation.
 
-Lightning's :class:`~lightning.pytorch.callbacks.TQDMProgressBar` with three more fields:
+* :class:`PipelineProgressBar`: Lightning's TQDM bar (for terminals) with ``tok/s`` and the
+  pipeline bubble;
+* :class:`PlainProgress`: plain lines for logs and pipes, at most one per logging interval (a
+  redrawn bar written to a file is thousands of carriage-return frames);
+* :class:`FinalValidation`: the run ends with a validation, whatever ``val_check_interval`` says;
+* :class:`LossFile`: ``step,loss`` per optimizer step.
 
-* ``tok/s``: tokens (elements of the batch's first integer tensor, or samples when the batch has
-  none) per second over the whole data-parallel world, measured between consecutive batch ends;
-* ``bubble``: this rank's idle share of the last step, ``1 - compute / step time``, from the
-  engine's :class:`~lightning_pp.records.StepRecord` when the strategy exposes one (shown only
-  then);
-* every ``print_every`` steps a plain line is written above the bar, so the loss curve stays in
-  logs and terminals that do not redraw.
+Both displays show ``tok/s`` (tokens, i.e. elements of the batch's first integer tensor or samples
+when it has none, per second over the whole data-parallel world, over the last logging interval
+of training batches) and ``pipeline bubble X% (simulated Y%)``: idle / compute summed over every
+pipeline rank over the steps since the last measurement, next to the simulator's expectation
+for the same steps, as logged by :class:`~lightning_pp.summary.RunSummary`.
 
 Example:
     >>> import lightning as L
@@ -18,13 +22,25 @@ Example:
 from __future__ import annotations
 
 import time
+from collections import deque
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback, TQDMProgressBar
+from lightning.pytorch.callbacks import Callback, ProgressBar, TQDMProgressBar
+from typing_extensions import override
 
-__all__ = ["LossFile", "PipelineProgressBar", "batch_tokens", "last_step_bubble"]
+__all__ = [
+    "FinalValidation",
+    "LossFile",
+    "PipelineProgressBar",
+    "PlainProgress",
+    "Throughput",
+    "batch_tokens",
+    "data_parallel_size",
+    "pipeline_bubble",
+    "progress_items",
+]
 
 
 def batch_tokens(batch: Any) -> int:
@@ -48,30 +64,8 @@ def batch_tokens(batch: Any) -> int:
     return int(tensors[0].shape[0]) if tensors and tensors[0].dim() else 0
 
 
-def _step_record(strategy: Any) -> Any:
-    # The strategy owns the engine; we look for its record by the names it may use rather than
-    # reaching into the engine (callbacks read records, they do not drive the engine).
-    for name in ("last_step_record", "step_record", "last_record"):
-        record = getattr(strategy, name, None)
-        if record is not None and not callable(record):
-            return record
-    return None
-
-
-def last_step_bubble(strategy: Any) -> float | None:
-    """This rank's idle share of its last training step, or ``None`` if not measured."""
-    record = _step_record(strategy)
-    if record is None:
-        return None
-    duration = getattr(record, "duration", 0.0)
-    events = getattr(record, "events", None)
-    if not events or duration <= 0:
-        return None
-    compute = sum(e.compute for e in events)
-    return max(0.0, 1.0 - compute / duration)
-
-
-def _data_parallel_size(trainer: pl.Trainer) -> int:
+def data_parallel_size(trainer: pl.Trainer) -> int:
+    """Data-parallel replicas of the run (tokens per step = batch tokens x this)."""
     strategy = trainer.strategy
     for name in ("dp_size", "data_parallel_size", "dp"):
         value = getattr(strategy, name, None)
@@ -84,13 +78,94 @@ def _data_parallel_size(trainer: pl.Trainer) -> int:
     return int(kwargs.get("num_replicas", trainer.world_size) or 1)
 
 
+class Throughput:
+    """Tokens per second over the last ``window`` training batches (validation excluded).
+
+    Example:
+        >>> t = Throughput(window=2)
+        >>> t.add(0.0, 100); t.add(1.0, 100); t.add(2.0, 100)
+        >>> t.rate()
+        100.0
+    """
+
+    def __init__(self, window: int = 10) -> None:
+        self.window = window
+        self._marks: deque[tuple[float, int]] = deque(maxlen=window + 1)
+
+    def add(self, now: float, tokens: int) -> None:
+        """A batch of ``tokens`` ended at ``now`` (the first mark only starts the clock)."""
+        self._marks.append((now, tokens))
+
+    def restart(self) -> None:
+        """Forget the clock (after validation: evaluation time is not training throughput)."""
+        self._marks.clear()
+
+    def rate(self) -> float | None:
+        if len(self._marks) < 2:
+            return None
+        elapsed = self._marks[-1][0] - self._marks[0][0]
+        tokens = sum(n for _, n in list(self._marks)[1:])
+        return tokens / elapsed if elapsed > 0 else None
+
+
+def pipeline_bubble(trainer: pl.Trainer) -> tuple[float, float] | None:
+    """(measured, simulated) pipeline bubble of the last measurement window, or ``None``.
+
+    Logged by :class:`~lightning_pp.summary.RunSummary`: idle / compute over every pipeline rank
+    and every step since the previous measurement, and the simulator's expectation for the same
+    steps.
+    """
+    from .summary import BUBBLE_EXPECTED_KEY, BUBBLE_KEY
+
+    metrics = trainer.callback_metrics
+    if BUBBLE_KEY not in metrics or BUBBLE_EXPECTED_KEY not in metrics:
+        return None
+    return float(metrics[BUBBLE_KEY]), float(metrics[BUBBLE_EXPECTED_KEY])
+
+
+def progress_items(
+    trainer: pl.Trainer, base: dict[str, Any], throughput: Throughput, validation: bool = True
+) -> dict[str, str]:
+    """The fields both progress displays show, formatted: logged progress-bar metrics (loss),
+    ``tok/s`` over the window, and the pipeline bubble next to the simulator's expectation."""
+    items = {
+        k: _fmt(v)
+        for k, v in base.items()
+        if k != "v_num" and (validation or not k.startswith("val"))
+    }
+    rate = throughput.rate()
+    if rate is not None:
+        items["tok/s"] = f"{rate:,.0f}"
+    bubble = pipeline_bubble(trainer)
+    if bubble is not None:
+        items["pipeline bubble"] = f"{bubble[0]:.0%} (simulated {bubble[1]:.0%})"
+    return items
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def _log_interval(trainer: pl.Trainer) -> int:
+    return max(int(trainer.log_every_n_steps or 1), 1)
+
+
 class PipelineProgressBar(TQDMProgressBar):
-    """TQDM bar showing loss, tokens/s and the bubble; prints a line every ``print_every`` steps.
+    """TQDM bar (for terminals) showing loss, tokens/s and the pipeline bubble; prints a plain
+    line every ``print_every`` steps.
 
     Args:
         refresh_rate: redraw the bar every this many batches.
         print_every: write a persistent ``step N loss ... tok/s ... bubble ...`` line every this
-            many optimizer steps (0 disables).
+            many optimizer steps (0 disables; ``None``: the Trainer's ``log_every_n_steps``).
+
+    The bubble shown is the *pipeline's*: idle / compute summed over every pipeline rank over
+    the steps since the last measurement, next to the simulator's expectation for those steps
+    (:func:`pipeline_bubble`; shown once :class:`~lightning_pp.summary.RunSummary` measured).
 
     Example:
         >>> bar = PipelineProgressBar(refresh_rate=5, print_every=25)
@@ -98,21 +173,23 @@ class PipelineProgressBar(TQDMProgressBar):
         25
     """
 
-    def __init__(self, refresh_rate: int = 1, print_every: int = 20, **kwargs: Any) -> None:
+    def __init__(self, refresh_rate: int = 1, print_every: int | None = 20, **kwargs: Any) -> None:
         super().__init__(refresh_rate=refresh_rate, **kwargs)
         self.print_every = print_every
-        self._t_last: float | None = None
-        self._tokens_per_s: float | None = None
+        self._throughput = Throughput()
         self._tokens = 0
 
+    @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
-        self._tokens = batch_tokens(batch) * _data_parallel_size(trainer)
-        if self._t_last is None:
-            self._t_last = time.perf_counter()
+        self._tokens = batch_tokens(batch) * data_parallel_size(trainer)
+        self._throughput.window = _log_interval(trainer)
+        if self._throughput.rate() is None and not self._throughput._marks:
+            self._throughput.add(time.perf_counter(), 0)
 
+    @override
     def on_train_batch_end(
         self,
         trainer: pl.Trainer,
@@ -121,40 +198,166 @@ class PipelineProgressBar(TQDMProgressBar):
         batch: Any,
         batch_idx: int,
     ) -> None:
-        now = time.perf_counter()
-        if self._t_last is not None and now > self._t_last:
-            self._tokens_per_s = self._tokens / (now - self._t_last)
-        self._t_last = now
+        self._throughput.add(time.perf_counter(), self._tokens)
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         step = trainer.global_step
-        if self.print_every and step % self.print_every == 0 and trainer.is_global_zero:
-            items = self.get_metrics(trainer, pl_module)
-            items.pop("v_num", None)
-            text = "  ".join(f"{k} {self._fmt(v)}" for k, v in items.items())
-            total = trainer.max_steps if trainer.max_steps > 0 else "?"
-            self.train_progress_bar.write(f"step {step}/{total}  {text}")
+        every = self.print_every if self.print_every is not None else _log_interval(trainer)
+        if every and step % every == 0 and trainer.is_global_zero:
+            self.train_progress_bar.write(self.line(trainer, pl_module))
 
+    def line(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> str:
+        """``step N/M  key value ...``: the plain progress line."""
+        items = progress_items(trainer, super().get_metrics(trainer, pl_module), self._throughput)
+        return _line(trainer, items)
+
+    @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_validation_end(trainer, pl_module)
-        # Evaluation time is not training throughput: restart the clock.
-        self._t_last = None
+        self._throughput.restart()
 
-    @staticmethod
-    def _fmt(value: Any) -> str:
-        if isinstance(value, float):
-            return f"{value:.4g}"
-        return str(value)
-
+    @override
     def get_metrics(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule
     ) -> dict[str, int | str | float | dict[str, float]]:
-        items = super().get_metrics(trainer, pl_module)
-        if self._tokens_per_s is not None:
-            items["tok/s"] = f"{self._tokens_per_s:,.0f}"
-        bubble = last_step_bubble(trainer.strategy)
-        if bubble is not None:
-            items["bubble"] = f"{100 * bubble:.0f}%"
-        return items
+        return dict(
+            progress_items(trainer, super().get_metrics(trainer, pl_module), self._throughput)
+        )
+
+
+def _line(trainer: pl.Trainer, items: dict[str, str]) -> str:
+    total = trainer.max_steps if trainer.max_steps > 0 else "?"
+    text = "  ".join(f"{k} {v}" for k, v in items.items())
+    return f"step {trainer.global_step}/{total}  {text}"
+
+
+class PlainProgress(ProgressBar):
+    """Progress for logs and pipes: plain lines, at most one per logging interval.
+
+    A redrawn bar written to a file is thousands of carriage-return frames. This prints, on
+    global rank 0, one ``step N/M  train_loss ...  tok/s ...  pipeline bubble ...`` line every
+    ``log_every_n_steps`` optimizer steps (and at the last step), and one line after each
+    validation. ``lightning-pp fit`` uses it when stdout is not a terminal.
+
+    Example:
+        >>> import lightning as L
+        >>> trainer = L.Trainer(callbacks=[PlainProgress()])  # doctest: +SKIP
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._enabled = True
+        self._throughput = Throughput()
+        self._tokens = 0
+        self._t_start: float | None = None
+        self._printed_step = -1
+
+    @override
+    def disable(self) -> None:
+        self._enabled = False
+
+    @override
+    def enable(self) -> None:
+        self._enabled = True
+
+    @property
+    @override
+    def is_enabled(self) -> bool:
+        return self._enabled
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._t_start = time.perf_counter()
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._tokens = batch_tokens(batch) * data_parallel_size(trainer)
+        self._throughput.window = _log_interval(trainer)
+        if not self._throughput._marks:
+            self._throughput.add(time.perf_counter(), 0)
+
+    @override
+    def on_train_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        self._throughput.add(time.perf_counter(), self._tokens)
+        step = trainer.global_step
+        last = 0 < trainer.max_steps <= step
+        if not self._enabled or step == self._printed_step:
+            return
+        if step % _log_interval(trainer) and not last:
+            return
+        self._printed_step = step
+        # Validation metrics have their own line, printed after each validation.
+        metrics = self.get_metrics(trainer, pl_module)
+        items = progress_items(trainer, metrics, self._throughput, validation=False)
+        if self._t_start is not None:
+            items["elapsed"] = _clock(time.perf_counter() - self._t_start)
+        print(_line(trainer, items), flush=True)
+
+    @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._throughput.restart()
+        if not self._enabled or trainer.sanity_checking:
+            return
+        metrics = {
+            k: _fmt(v)
+            for k, v in trainer.callback_metrics.items()
+            if k.startswith(("val_", "val/")) or k in ("val_loss",)
+        }
+        text = "  ".join(f"{k} {v}" for k, v in metrics.items())
+        print(f"validation at step {trainer.global_step}: {text}", flush=True)
+
+
+def _clock(seconds: float) -> str:
+    m, s = divmod(int(seconds), 60)
+    return f"{m}:{s:02d}"
+
+
+class FinalValidation(Callback):
+    """Make the run end with a validation, whatever ``val_check_interval`` says.
+
+    With ``val_check_interval: 100`` and ``max_steps: 300`` over epochs of 231 batches the
+    validations fall on steps 100 and 200 of each epoch, and the run would end showing a loss
+    measured 100 steps earlier. On the batch that completes the run (``max_steps`` reached, or
+    the last batch of the last epoch) this sets ``trainer.should_stop``, which Lightning's
+    training loop answers with a validation run (its early-stopping rule). When that step
+    validates anyway, it validates once.
+
+    Example:
+        >>> import lightning as L
+        >>> trainer = L.Trainer(max_steps=300, val_check_interval=100,
+        ...                     callbacks=[FinalValidation()])  # doctest: +SKIP
+    """
+
+    @override
+    def on_train_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        if not trainer.enable_validation:
+            return
+        last_step = 0 < trainer.max_steps <= trainer.global_step
+        max_epochs = trainer.max_epochs if trainer.max_epochs is not None else -1
+        batches = trainer.num_training_batches
+        last_epoch_batch = (
+            max_epochs > 0
+            and trainer.current_epoch + 1 >= max_epochs
+            and isinstance(batches, int)
+            and batch_idx + 1 >= batches
+        )
+        if last_step or last_epoch_batch:
+            trainer.should_stop = True
 
 
 class LossFile(Callback):

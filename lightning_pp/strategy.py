@@ -69,7 +69,7 @@ from .plan import (
 from .precision import GlobalNormClipping, clip_by_global_norm, with_global_norm_clipping
 from .process_strategy import ProcessGroupStrategy, StartMethod
 from .stage_logging import LogCall, capture_logs, refuse_logs, replay_logs
-from .summary import StageInfo, restore_summaries, use_pipeline_summaries
+from .model_summary import StageInfo, restore_summaries, use_pipeline_summaries
 from .topology import PipelineTopology, ProcessGroups, build_process_groups
 
 __all__ = ["PipelineStrategy"]

@@ -1,177 +1,619 @@
-"""The model summary of the whole pipeline, not of one stage.
+"""What a run did, told at its end: the schedule run, bubble vs the simulator, memory, speed, loss.
 
-Lightning's ``ModelSummary`` (or ``RichModelSummary``) callback summarises the module of the
-process it runs in and prints on global rank 0. Under the pipeline every rank holds one stage's
-layers, so the table showed stage 0's rows and counts only (about half of a two-stage model).
-:func:`with_pipeline_summary` gives such a callback an ``on_fit_start`` that summarises each
-stage, gathers the summaries over the pipeline group and prints one table on global rank 0:
+:class:`RunSummary` is a Lightning callback. During training it keeps cheap per-step facts (the
+loss, tokens and wall time of every step, this rank's engine record of the last few steps); on a
+cadence (the Trainer's ``log_every_n_steps``) it joins the pipeline callbacks' one gather per
+measured step and turns the window of steps since the last measurement into the *pipeline*
+bubble, with :func:`~lightning_pp.callbacks.analysis.bubble_stats` (measured and simulated, over
+every pipeline rank); at the end of ``fit`` global rank 0 prints a short summary and writes,
+into the logger's directory:
 
-* one row per module and stage, with a ``Stage`` column (the virtual stages the rank holds);
-* totals for the whole model, a tied weight's copies on other stages counted once (as in the
-  unpipelined model, where it is one tensor).
+* ``summary.txt`` (what was printed) and ``summary.json`` (the same numbers, machine-readable);
+* ``loss_curve.png`` (train loss per step, validation loss at each validation);
+* the timeline PNG of one measured step is :class:`~lightning_pp.callbacks.PipelineTimeline`'s
+  own file; the summary names it.
 
-Printing stays the callback's own (``summarize``: a plain log or a rich table), and so do its
-``max_depth`` and options.
+Memory and the timeline are read from :class:`~lightning_pp.callbacks.ActivationMemoryMonitor`
+and :class:`~lightning_pp.callbacks.PipelineTimeline` when they are among the trainer's callbacks
+(``lightning-pp fit`` adds them); nothing here measures twice.
 
 Example::
 
-    callback = with_pipeline_summary(ModelSummary(max_depth=2), gather, StageInfo("1", 0))
-    # callback.on_fit_start(trainer, module) gathers (a collective) and prints on rank 0
+    from lightning_pp.callbacks import ActivationMemoryMonitor, PipelineTimeline
+    from lightning_pp.summary import RunSummary
+
+    trainer = L.Trainer(devices=4, strategy=PipelineStrategy(pp=2, microbatches=4),
+                        callbacks=[ActivationMemoryMonitor(), PipelineTimeline(every_n_steps=300),
+                                   RunSummary()])
+    trainer.fit(model, datamodule)      # rank 0 prints the summary; files in trainer.log_dir
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
-from dataclasses import dataclass
+import dataclasses
+import json
+import math
+import time
+from collections import deque
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback, ModelSummary
-from lightning.pytorch.utilities.model_summary import get_human_readable_count, summarize
 from typing_extensions import override
 
-from . import _lightning_compat as compat
+from .callbacks.analysis import BubbleStats, bubble_stats, split_pipelines
+from .callbacks.base import PipelineCallback
+from .callbacks.gather import register_extra, unregister_extra
+from .records import StepRecord
+from .schedules import render_grid, simulate
 
-__all__ = [
-    "PipelineSummary",
-    "StageInfo",
-    "StageSummary",
-    "merge_summaries",
-    "restore_summaries",
-    "stage_summary",
-    "use_pipeline_summaries",
-    "with_pipeline_summary",
-]
+__all__ = ["BUBBLE_KEY", "BUBBLE_EXPECTED_KEY", "RunSummary", "WindowBubble", "window_bubble"]
 
+#: Logged at every measurement: the pipeline bubble over the window of steps since the last one,
+#: and the simulator's expectation for the same steps (see :func:`window_bubble`).
+BUBBLE_KEY = "pp/bubble_window"
+BUBBLE_EXPECTED_KEY = "pp/bubble_window_expected"
 
-@dataclass(frozen=True)
-class StageInfo:
-    """What the summary says about this rank: ``label`` names the virtual stages it holds
-    (``"0"``, or ``"0,2"`` interleaved); ``tied_copies`` is the number of parameter elements
-    that are copies of a tied weight owned by another rank (counted there)."""
-
-    label: str
-    tied_copies: int
+_EXTRA = "run_summary_window"
 
 
-@dataclass(frozen=True)
-class StageSummary:
-    """One rank's summary rows and totals (picklable: it travels to global rank 0)."""
+@dataclasses.dataclass
+class WindowBubble:
+    """The pipeline bubble over several steps of every pipeline (times in seconds, sums).
 
-    label: str
-    names: list[str]
-    types: list[str]
-    params: list[int]
-    modes: list[bool]
-    total: int
-    trainable: int
-    tied_copies: int
-    model_size: float
-    train_modules: int
-    eval_modules: int
-    flops: int
-
-
-def stage_summary(module: pl.LightningModule, max_depth: int, info: StageInfo) -> StageSummary:
-    """Summarise this rank's part of ``module`` (Lightning's ``summarize``)."""
-    s = summarize(module, max_depth=max_depth)
-    modes = s.total_training_modes
-    return StageSummary(
-        label=info.label,
-        names=list(s.layer_names),
-        types=list(s.layer_types),
-        params=list(s.param_nums),
-        modes=list(s.training_modes),
-        total=s.total_parameters,
-        trainable=s.trainable_parameters,
-        tied_copies=info.tied_copies,
-        model_size=s.model_size,
-        train_modules=modes["train"],
-        eval_modules=modes["eval"],
-        flops=s.total_flops,
-    )
-
-
-def merge_summaries(stages: list[StageSummary]) -> tuple[Any, ...]:
-    """The arguments of ``ModelSummary.summarize`` for the whole pipeline, stages in order:
-    ``(columns, total, trainable, model_size, training_modes, flops)``."""
-    rows = [(s, i) for s in stages for i in range(len(s.names))]
-    columns = [
-        (" ", [str(n) for n in range(len(rows))]),
-        ("Name", [s.names[i] for s, i in rows]),
-        ("Stage", [s.label for s, _ in rows]),
-        ("Type", [s.types[i] for s, i in rows]),
-        ("Params", [get_human_readable_count(s.params[i]) for s, i in rows]),
-        ("Mode", ["train" if s.modes[i] else "eval" for s, i in rows]),
-    ]
-    tied = sum(s.tied_copies for s in stages)
-    total = sum(s.total for s in stages) - tied
-    trainable = sum(s.trainable for s in stages) - tied
-    # Lightning's size is parameters x bytes per parameter; drop the tied copies' share.
-    size = sum(s.model_size * (s.total - s.tied_copies) / s.total for s in stages if s.total)
-    modes = {
-        "train": sum(s.train_modules for s in stages),
-        "eval": sum(s.eval_modules for s in stages),
-    }
-    return columns, total, trainable, size, modes, sum(s.flops for s in stages)
-
-
-class PipelineSummary(ModelSummary):
-    """Placed before a summary callback's class by :func:`with_pipeline_summary`.
-
-    ``gather`` is a collective over the pipeline group returning every stage's summary in stage
-    order (it runs on every rank: ``on_fit_start`` runs on every rank); ``info`` describes this
-    rank; ``original`` is the callback this one stands for.
+    ``bubble = idle / compute`` and ``expected = expected_idle / expected_busy``, each summed over
+    all steps and all pipelines before dividing (a ratio of sums, so a slow step weighs what it
+    cost). Per global rank: ``compute``, ``comm_wait`` and ``idle`` summed over the steps.
     """
 
-    gather: Callable[[StageSummary], list[StageSummary]]
-    info: StageInfo
-    original: ModelSummary
+    steps: int = 0
+    idle: float = 0.0
+    compute: float = 0.0
+    expected_idle: float = 0.0
+    expected_busy: float = 0.0
+    span: float = 0.0
+    tail: float = 0.0
+    rank_compute: dict[int, float] = dataclasses.field(default_factory=dict)
+    rank_wait: dict[int, float] = dataclasses.field(default_factory=dict)
+    rank_idle: dict[int, float] = dataclasses.field(default_factory=dict)
+    rank_engine: dict[int, float] = dataclasses.field(default_factory=dict)
+    pipelines: int = 1
+
+    @property
+    def bubble(self) -> float:
+        return self.idle / self.compute if self.compute > 0 else 0.0
+
+    @property
+    def expected(self) -> float:
+        return self.expected_idle / self.expected_busy if self.expected_busy > 0 else 0.0
+
+    def add(self, other: WindowBubble) -> None:
+        """Accumulate ``other`` (a later window) into this one."""
+        for name in ("steps", "idle", "compute", "expected_idle", "expected_busy", "span", "tail"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for name in ("rank_compute", "rank_wait", "rank_idle", "rank_engine"):
+            mine = getattr(self, name)
+            for r, v in getattr(other, name).items():
+                mine[r] = mine.get(r, 0.0) + v
+        self.pipelines = other.pipelines
+
+
+def _stats_add(out: WindowBubble, stats: BubbleStats, ranks: list[int]) -> None:
+    compute = sum(stats.compute)
+    out.idle += stats.bubble * compute
+    out.compute += compute
+    out.expected_busy += compute
+    out.expected_idle += stats.expected_bubble * compute
+    out.span += stats.span
+    out.tail += stats.tail
+    for p, r in enumerate(ranks):
+        out.rank_compute[r] = out.rank_compute.get(r, 0.0) + stats.compute[p]
+        out.rank_wait[r] = out.rank_wait.get(r, 0.0) + stats.comm_wait[p]
+        out.rank_idle[r] = out.rank_idle.get(r, 0.0) + stats.idle[p]
+
+
+def window_bubble(
+    windows: list[list[tuple[int, StepRecord]]], offsets: list[float]
+) -> WindowBubble:
+    """The pipeline bubble over the steps every rank recorded, from each rank's window of records.
+
+    ``windows[g]``: global rank g's ``(step, record)`` pairs; ``offsets[g]``: its clock reference
+    from the gather (one per rank: a process's clock is the same for every step of the window).
+    Each step of each pipeline goes through :func:`bubble_stats` (measured over all the
+    pipeline's ranks, and the simulator fed with that step's measured costs); the results are
+    summed (:class:`WindowBubble`). The expectation is weighted by the measured compute, so
+    ``expected`` compares with ``bubble`` step for step.
+
+    Example:
+        >>> from lightning_pp.records import StepEvent
+        >>> from lightning_pp.schedules import build_schedule
+        >>> s = build_schedule("1f1b", pp=2, microbatches=4)
+        >>> sim = simulate(s)                     # a perfect "measurement" at t_f=1, t_b=2
+        >>> recs = [StepRecord(r, r, s, t0=0.0, t1=sim.makespan,
+        ...                    events=[StepEvent(a, t0, t1) for a, t0, t1 in sim.timeline[r]])
+        ...         for r in range(2)]
+        >>> w = window_bubble([[(1, recs[0]), (2, recs[0])], [(1, recs[1]), (2, recs[1])]],
+        ...                   [0.0, 0.0])
+        >>> w.steps, round(w.bubble, 4), round(w.expected, 4)
+        (2, 0.25, 0.25)
+    """
+    out = WindowBubble()
+    if not windows or not all(windows):
+        return out
+    by_rank = [dict(w) for w in windows]
+    steps = sorted(set.intersection(*(set(d) for d in by_rank)))
+    pp = next(iter(by_rank[0].values())).schedule.pp
+    for step in steps:
+        records = [d[step] for d in by_rank]
+        lines = split_pipelines(records, pp)
+        out.pipelines = len(lines)
+        for line in lines:
+            recs = [records[i] for i in line]
+            stats = bubble_stats(recs, [offsets[i] for i in line])
+            _stats_add(out, stats, [recs[p].rank for p in range(len(recs))])
+        for rec in records:
+            out.rank_engine[rec.rank] = out.rank_engine.get(rec.rank, 0.0) + (rec.t1 - rec.t0)
+        out.steps += 1
+    return out
+
+
+def _strip(record: StepRecord) -> StepRecord:
+    # Every rank holds the same schedule: send the record without it and re-attach on arrival.
+    return dataclasses.replace(record, schedule=None)  # type: ignore[arg-type]
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} GiB"
+
+
+def _fmt_time(seconds: float) -> str:
+    m, s = divmod(int(round(seconds)), 60)
+    return f"{m}m{s:02d}s" if m else f"{seconds:.1f}s"
+
+
+class RunSummary(PipelineCallback):
+    """Collects, on a cadence, what the end-of-fit summary shows; rank 0 prints and writes it.
+
+    Args:
+        every_n_steps: measure the pipeline bubble every n-th batch over the steps since the last
+            measurement (default: the Trainer's ``log_every_n_steps``). Measured steps are the
+            ones :class:`~lightning_pp.callbacks.PipelineBubbleMonitor` also measures by
+            default, so the callbacks share one gather.
+        dirpath: where the files go (default: ``trainer.log_dir``, next to the logs).
+        max_window: at most this many steps of records are kept and sent per measurement.
+        print_summary: print the summary on global rank 0 at the end of ``fit``.
+        loss_name / val_loss_name: the logged metrics drawn in ``loss_curve.png``.
+
+    Logged at each measurement (every rank holds the same value): ``pp/bubble_window`` (idle /
+    compute over every pipeline rank and every step of the window, the simulator's definition)
+    and ``pp/bubble_window_expected`` (the simulator fed each step's measured costs and
+    latencies). The progress bars of :mod:`lightning_pp.progress` show both.
+
+    Example:
+        >>> cb = RunSummary(every_n_steps=10)
+        >>> cb.every_n_steps, cb.max_window
+        (10, 32)
+
+    After ``fit``: ``summary`` (a dict, the content of ``summary.json``) and ``written`` (paths)
+    on global rank 0.
+    """
+
+    def __init__(
+        self,
+        every_n_steps: int | None = None,
+        dirpath: str | Path | None = None,
+        max_window: int = 32,
+        print_summary: bool = True,
+        loss_name: str = "train_loss",
+        val_loss_name: str = "val_loss",
+    ) -> None:
+        super().__init__(every_n_steps)
+        if max_window < 1:
+            raise ValueError(f"max_window must be a positive integer, got {max_window!r}")
+        self.dirpath = Path(dirpath) if dirpath is not None else None
+        self.max_window = max_window
+        self.print_summary = print_summary
+        self.loss_name = loss_name
+        self.val_loss_name = val_loss_name
+        self.summary: dict[str, Any] = {}
+        self.written: list[Path] = []
+        self.text = ""
+        self._default_dir: Path | None = None
+        self._reset()
+
+    def _reset(self) -> None:
+        self._window: deque[tuple[int, StepRecord]] = deque(maxlen=self.max_window)
+        self._total = WindowBubble()
+        self._last_window: WindowBubble | None = None
+        self._losses: list[tuple[int, Any]] = []
+        self._val: list[tuple[int, float]] = []
+        self._t_fit = 0.0
+        self._t_train = 0.0  # seconds spent in training batches (validation excluded)
+        self._t_last: float | None = None
+        self._train_steps = 0
+        self._tokens = 0
+        self._batch_tokens = 0
+        self._first_val_step: int | None = None
+        self._dirty = False
+
+    # -- collection -------------------------------------------------------------------------
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self._reset()
+            # trainer.log_dir is a collective (a broadcast from rank 0): resolve it on every
+            # rank here; on_fit_end writes on rank 0 alone.
+            if self.dirpath is None:
+                self._default_dir = Path(trainer.log_dir or trainer.default_root_dir)
+            # Whichever pipeline callback gathers first on a measured step sends this rank's
+            # window along (one collective per measured step for all of them).
+            register_extra(_EXTRA, lambda: self._payload(trainer))
 
     @override
-    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        max_depth, options = compat.model_summary_settings(self)
-        if not max_depth:
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            unregister_extra(_EXTRA)
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._t_fit = time.perf_counter()
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        from .progress import batch_tokens, data_parallel_size
+
+        self._batch_tokens = batch_tokens(batch) * data_parallel_size(trainer)
+        if self._t_last is None:
+            self._t_last = time.perf_counter()
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx: int
+    ) -> None:
+        now = time.perf_counter()
+        if self._t_last is not None:
+            self._t_train += now - self._t_last
+        self._t_last = now
+        self._train_steps += 1
+        self._tokens += self._batch_tokens
+        step = trainer.global_step
+        loss = trainer.callback_metrics.get(self.loss_name)
+        if loss is not None and trainer.is_global_zero:
+            self._losses.append((step, loss.detach() if hasattr(loss, "detach") else loss))
+        self._keep(trainer)
+        if not self._due(trainer):
             return
-        stages = self.gather(stage_summary(pl_module, max_depth, self.info))
-        if trainer.is_global_zero:
-            columns, total, trainable, size, modes, flops = merge_summaries(stages)
-            self.summarize(columns, total, trainable, size, modes, total_flops=flops, **options)
+        gathered = self._gather(trainer)
+        if gathered is None:
+            return
+        schedule = gathered.records[0].schedule
+        windows = [
+            [(s, dataclasses.replace(r, schedule=schedule)) for s, r in x.get(_EXTRA, [])]
+            for x in gathered.extras
+        ]
+        window = window_bubble(windows, gathered.offsets)
+        self._window.clear()
+        if window.steps == 0:
+            return
+        self._last_window = window
+        self._total.add(window)
+        metrics = {BUBBLE_KEY: window.bubble, BUBBLE_EXPECTED_KEY: window.expected}
+        self._log(trainer, pl_module, metrics)
+        # Rank 0 computed while the others waited: the next step starts level again.
+        self._t_last = time.perf_counter()
+
+    def _keep(self, trainer: pl.Trainer) -> None:
+        """Add this step's record to the window (once)."""
+        record = self._record(trainer)
+        if record is not None and not (self._window and self._window[-1][1] is record):
+            self._window.append((trainer.global_step, record))
+
+    def _payload(self, trainer: pl.Trainer) -> list[tuple[int, StepRecord]]:
+        # Called inside the gather, possibly by another callback before this one's
+        # on_train_batch_end: the current step's record must be in the window already.
+        self._keep(trainer)
+        return [(s, _strip(r)) for s, r in self._window]
+
+    @override
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._t_last = None  # validation time is not training time
+
+    @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._t_last = None
+        if trainer.sanity_checking:
+            return
+        value = trainer.callback_metrics.get(self.val_loss_name)
+        if value is not None:
+            self._val.append((trainer.global_step, float(value)))
+
+    @override
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not trainer.is_global_zero:
+            return
+        self.summary = self._build(trainer)
+        self.text = format_summary(self.summary)
+        self._write(trainer)
+        if self.print_summary:
+            print(self.text, flush=True)
+
+    # -- the summary ------------------------------------------------------------------------
+    def _memory(self, trainer: pl.Trainer) -> list[dict[str, Any]]:
+        from .callbacks import ActivationMemoryMonitor
+
+        for cb in trainer.callbacks:
+            if isinstance(cb, ActivationMemoryMonitor) and cb.last_stats:
+                return [dataclasses.asdict(s) for s in cb.last_stats]
+        return []
+
+    def _timeline(self, trainer: pl.Trainer) -> dict[str, str]:
+        from .callbacks import PipelineTimeline
+
+        out: dict[str, str] = {}
+        for cb in trainer.callbacks:
+            if isinstance(cb, PipelineTimeline):
+                for path in cb.written:
+                    out[path.suffix.lstrip(".")] = str(path)
+        return out
+
+    def _build(self, trainer: pl.Trainer) -> dict[str, Any]:
+        strategy = trainer.strategy
+        record = getattr(strategy, "last_record", None)
+        schedule = record.schedule if isinstance(record, StepRecord) else None
+        losses = [(s, float(v)) for s, v in self._losses]
+        steps = self._train_steps
+        wall = time.perf_counter() - self._t_fit if self._t_fit else 0.0
+        out: dict[str, Any] = {
+            "steps": trainer.global_step,
+            "world_size": trainer.world_size,
+            "fit_seconds": wall,
+            "train_seconds": self._t_train,
+            "tokens": self._tokens,
+            "tokens_per_s": self._tokens / self._t_train if self._t_train > 0 else None,
+            "step_seconds": self._t_train / steps if steps else None,
+            "train_loss": losses,
+            "val_loss": self._val,
+        }
+        if schedule is not None:
+            # The schedule the engine ran (from its record, not from the config), drawn with
+            # the simulator's default costs: the order of work, compact.
+            ideal = simulate(schedule)
+            grid = render_grid(ideal, metrics=False)
+            if schedule.pp <= 8 and len(grid.splitlines()[0]) > 160:
+                grid = "\n".join(line[:157] + "..." for line in grid.splitlines())
+            out["schedule"] = {
+                "name": schedule.name,
+                "pp": schedule.pp,
+                "vpp": schedule.vpp,
+                "microbatches": schedule.microbatches,
+                "dp": trainer.world_size // schedule.pp,
+                "grid": grid,
+                "ideal_bubble": ideal.bubble_ratio,
+                "inflight_bound": ideal.peak_inflight,
+            }
+        total = self._total
+        if total.steps:
+            n = total.steps
+            per_pipeline = n * total.pipelines
+            out["bubble"] = {
+                "measured": total.bubble,
+                "expected": total.expected,
+                "measured_steps": n,
+                "last_window": (
+                    {"measured": self._last_window.bubble, "expected": self._last_window.expected}
+                    if self._last_window is not None
+                    else None
+                ),
+                "ranks": {
+                    str(r): {
+                        "compute_s": total.rank_compute[r] / n,
+                        "comm_wait_s": total.rank_wait.get(r, 0.0) / n,
+                        "idle_s": total.rank_idle.get(r, 0.0) / n,
+                        "engine_s": total.rank_engine.get(r, 0.0) / n,
+                    }
+                    for r in sorted(total.rank_compute)
+                },
+                "span_s": total.span / per_pipeline,
+                "tail_s": total.tail / per_pipeline,
+            }
+        memory = self._memory(trainer)
+        if memory:
+            out["memory"] = memory
+        files = self._timeline(trainer)
+        if files:
+            out["timeline"] = files
+        return out
+
+    def _dir(self, trainer: pl.Trainer) -> Path:
+        if self.dirpath is not None:
+            return self.dirpath
+        return self._default_dir or Path(trainer.default_root_dir)
+
+    def _write(self, trainer: pl.Trainer) -> None:
+        out = self._dir(trainer)
+        out.mkdir(parents=True, exist_ok=True)
+        self.written = []
+        png = write_loss_curve(
+            self.summary.get("train_loss", []),
+            self.summary.get("val_loss", []),
+            out / "loss_curve.png",
+        )
+        if png is not None:
+            self.summary["loss_curve"] = str(png)
+        self.summary["summary_txt"] = str(out / "summary.txt")
+        self.summary["summary_json"] = str(out / "summary.json")
+        self.text = format_summary(self.summary)
+        (out / "summary.txt").write_text(self.text + "\n")
+        (out / "summary.json").write_text(json.dumps(self.summary, indent=1) + "\n")
+        self.written = [out / "summary.txt", out / "summary.json"] + ([png] if png else [])
+
+    def add_sample(self, prompt: str, text: str, caption: str) -> None:
+        """Append the generated sample to the summary and rewrite its files (global rank 0)."""
+        if not self.summary:
+            return
+        self.summary["sample"] = {"prompt": prompt, "text": text, "caption": caption}
+        self.text = format_summary(self.summary)
+        txt, js = self.summary.get("summary_txt"), self.summary.get("summary_json")
+        if txt and js:
+            Path(txt).write_text(self.text + "\n")
+            Path(js).write_text(json.dumps(self.summary, indent=1) + "\n")
 
 
-@functools.cache
-def _summary_class(base: type[ModelSummary]) -> type[ModelSummary]:
-    return type(f"Pipeline{base.__name__}", (PipelineSummary, base), {})
+# --------------------------------------------------------------------------------------------
+# Rendering (plain functions of the summary dict)
+# --------------------------------------------------------------------------------------------
 
 
-def with_pipeline_summary(
-    callback: ModelSummary,
-    gather: Callable[[StageSummary], list[StageSummary]],
-    info: StageInfo,
-) -> ModelSummary:
-    """A copy of ``callback`` (an instance of a subclass of its class) that summarises the
-    whole pipeline; ``callback`` itself is not modified."""
-    base = callback.original if isinstance(callback, PipelineSummary) else callback
-    wrapped = object.__new__(_summary_class(type(base)))
-    wrapped.__dict__.update(vars(base))
-    wrapped.gather, wrapped.info, wrapped.original = gather, info, base
-    return wrapped
+def write_loss_curve(
+    train: list[tuple[int, float]], val: list[tuple[int, float]], path: Path
+) -> Path | None:
+    """Train loss per step (raw and smoothed) and validation loss, as a PNG; ``None`` without
+    matplotlib or without any loss."""
+    if not train and not val:
+        return None
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg", force=False)
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(7.5, 4.0), dpi=100)
+    if train:
+        xs, ys = zip(*train)
+        ax.plot(xs, ys, color="tab:blue", alpha=0.3, linewidth=1, label="train loss (per step)")
+        smooth, ema = [], ys[0]
+        for y in ys:  # exponential moving average, ~20 steps
+            ema = 0.9 * ema + 0.1 * y
+            smooth.append(ema)
+        ax.plot(xs, smooth, color="tab:blue", linewidth=2, label="train loss (smoothed)")
+    if val:
+        xs, ys = zip(*val)
+        ax.plot(xs, ys, "o-", color="tab:orange", linewidth=2, label="validation loss")
+        ax.annotate(f"{ys[-1]:.3f}", (xs[-1], ys[-1]), textcoords="offset points", xytext=(4, 6))
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("cross-entropy (nats per token)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    ax.set_title("loss")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
 
 
-def use_pipeline_summaries(
-    callbacks: list[Callback],
-    gather: Callable[[StageSummary], list[StageSummary]],
-    info: StageInfo,
-) -> None:
-    """Replace, in place, every model summary callback of ``callbacks`` by its pipeline copy."""
-    for i, callback in enumerate(callbacks):
-        if isinstance(callback, ModelSummary):
-            callbacks[i] = with_pipeline_summary(callback, gather, info)
+def _rank_table(bubble: dict[str, Any]) -> list[str]:
+    lines = ["  rank  compute/step  recv wait  idle (of the schedule window)"]
+    span = bubble["span_s"]
+    for r, v in bubble["ranks"].items():
+        share = v["idle_s"] / span if span > 0 else 0.0
+        lines.append(
+            f"  {r:>4}  {v['compute_s'] * 1e3:9.1f} ms  {v['comm_wait_s'] * 1e3:6.1f} ms  "
+            f"{v['idle_s'] * 1e3:6.1f} ms ({share:.0%})"
+        )
+    return lines
 
 
-def restore_summaries(callbacks: list[Callback]) -> None:
-    """Undo :func:`use_pipeline_summaries`: the user's callbacks are back in the list."""
-    for i, callback in enumerate(callbacks):
-        if isinstance(callback, PipelineSummary):
-            callbacks[i] = callback.original
+def format_summary(s: dict[str, Any]) -> str:
+    """The printed summary (also ``summary.txt``) from the :class:`RunSummary` dict."""
+    lines = ["", "=" * 30 + " lightning-pp: run summary " + "=" * 30]
+    sched = s.get("schedule")
+    shape = ""
+    if sched:
+        shape = (
+            f", pp={sched['pp']} x dp={sched['dp']}"
+            + (f" x vpp={sched['vpp']}" if sched["vpp"] > 1 else "")
+            + f", {sched['name']} with {sched['microbatches']} microbatches"
+        )
+    lines.append(
+        f"run        {s['steps']} steps in {_fmt_time(s['fit_seconds'])} "
+        f"(training {_fmt_time(s['train_seconds'])}), {s['world_size']} processes{shape}"
+    )
+    train, val = s.get("train_loss") or [], s.get("val_loss") or []
+    if train:
+        loss = f"train {train[0][1]:.3f} (step {train[0][0]}) -> {train[-1][1]:.3f}"
+        loss += f" (step {train[-1][0]})"
+        if val:
+            loss += f"; validation {val[-1][1]:.3f} at step {val[-1][0]}"
+            loss += " (final validation)" if val[-1][0] == s["steps"] else ""
+        lines.append(f"loss       {loss}")
+    if s.get("tokens_per_s"):
+        lines.append(
+            f"speed      {s['tokens_per_s']:,.0f} tokens/s over all replicas (training time "
+            f"only), {s['step_seconds'] * 1e3:.0f} ms per step"
+        )
+    bubble = s.get("bubble")
+    if bubble and s.get("step_seconds"):
+        step_ms = s["step_seconds"] * 1e3
+        engine = sum(v["engine_s"] for v in bubble["ranks"].values()) / len(bubble["ranks"])
+        span, tail = bubble["span_s"] * 1e3, bubble["tail_s"] * 1e3
+        comp = [v["compute_s"] for v in bubble["ranks"].values()]
+        wait = [v["comm_wait_s"] for v in bubble["ranks"].values()]
+        lines.append(
+            f"step time  {step_ms:.0f} ms = schedule window {span:.0f} ms (per rank: compute "
+            f"{1e3 * sum(comp) / len(comp):.0f}, blocked on receives "
+            f"{1e3 * sum(wait) / len(wait):.0f}, rest idle) + after the last action "
+            f"{tail:.0f} ms (last sends, loss broadcast) + outside the engine "
+            f"{max(step_ms - engine * 1e3, 0.0):.0f} ms (optimizer, gradient sync, data, "
+            f"Lightning, measuring)"
+        )
+    if sched:
+        lines.append(
+            f"schedule   {sched['name']} as run by the engine (cells at the default costs "
+            f"t_b = 2 t_f; '.' idle):"
+        )
+        lines += ["  " + line for line in sched["grid"].splitlines()]
+    if bubble:
+        last = bubble.get("last_window") or {}
+        lines.append(
+            f"bubble     measured {bubble['measured']:.1%} vs simulator {bubble['expected']:.1%} "
+            f"(idle / compute over all pipeline ranks, {bubble['measured_steps']} measured "
+            f"steps; the simulator runs the same schedule on each step's measured costs)"
+        )
+        extra = f"last window {last['measured']:.1%} vs {last['expected']:.1%}; " if last else ""
+        lines.append(
+            f"           {extra}textbook (p-1)/m at t_b = 2 t_f: {sched['ideal_bubble']:.1%}"
+            if sched
+            else f"           {extra}".rstrip()
+        )
+        lines += _rank_table(bubble)
+    memory = s.get("memory")
+    if memory:
+        lines.append("memory     peak activation bytes saved for backward (last measured step):")
+        for m in memory:
+            per_mb = m["saved_bytes"] / m["inflight"] if m["inflight"] else 0.0
+            lines.append(
+                f"  rank {m['rank']} (stage {m['pp_rank']}): {_fmt_bytes(m['saved_bytes'])} "
+                f"with {m['inflight']} microbatches in flight; schedule bound "
+                f"{m['inflight_bound']} (= {_fmt_bytes(per_mb * m['inflight_bound'])})"
+            )
+    files = []
+    if s.get("loss_curve"):
+        files.append(f"  loss curve        {s['loss_curve']}")
+    timeline = s.get("timeline") or {}
+    if "png" in timeline:
+        files.append(f"  timeline (1 step) {timeline['png']}")
+    if "json" in timeline:
+        files.append(f"  Perfetto trace    {timeline['json']}")
+    if s.get("summary_json"):
+        files.append(f"  this summary      {s['summary_txt']} and {s['summary_json']}")
+    if files:
+        lines.append("files")
+        lines += files
+    sample = s.get("sample")
+    if sample:
+        lines.append(f"sample     {sample['caption']}")
+        lines.append(sample["prompt"] + sample["text"])
+    lines.append("=" * 87)
+    return "\n".join(lines)
+
+
+def bits_per_char(nats: float) -> float:
+    """Cross-entropy in nats per character -> bits per character."""
+    return nats / math.log(2)

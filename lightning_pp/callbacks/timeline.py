@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 import lightning.pytorch as pl
+from typing_extensions import override
 
 from ..schedules import render_gantt
 from .analysis import bubble_stats, measured_timeline, split_pipelines, trace_events
@@ -53,12 +54,22 @@ class PipelineTimeline(PipelineCallback):
         self.png = png
         self.log_image = log_image
         self.written: list[Path] = []
+        self._default_dir: Path | None = None
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        # trainer.log_dir is a collective (a broadcast from rank 0): resolve it here, on every
+        # rank; _write runs on rank 0 alone and would wait there forever for the others.
+        if self.dirpath is None:
+            root = trainer.log_dir or trainer.default_root_dir
+            self._default_dir = Path(root) / "pipeline_timeline"
 
     def _dir(self, trainer: pl.Trainer) -> Path:
         if self.dirpath is not None:
             return self.dirpath
-        root = trainer.log_dir or trainer.default_root_dir
-        return Path(root) / "pipeline_timeline"
+        if self._default_dir is None:  # used without setup (e.g. called directly)
+            self._default_dir = Path(trainer.default_root_dir) / "pipeline_timeline"
+        return self._default_dir
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx: int

@@ -55,6 +55,12 @@ def _fit_options(p: argparse.ArgumentParser) -> None:
         help="write 'step,loss' per optimizer step to FILE (global rank 0)",
     )
     p.add_argument("--ckpt-path", default=None, help="resume from this checkpoint")
+    p.add_argument(
+        "--no-summary",
+        dest="summary",
+        action="store_false",
+        help="no end-of-run summary (and no pipeline measurements added for it)",
+    )
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -113,26 +119,77 @@ def build_strategy(cfg: RunConfig) -> Any:
     return cls(**section)
 
 
+def _measure_every(kwargs: dict[str, Any]) -> tuple[int, int]:
+    """(measurement cadence, timeline cadence) in training batches for the added callbacks.
+
+    Measurements follow ``log_every_n_steps`` (as the pipeline callbacks do by default), but at
+    least once in a short run; the one timeline falls on the last measured step of the run.
+    """
+    every = int(kwargs.get("log_every_n_steps") or 50)
+    max_steps = kwargs.get("max_steps", -1)
+    if isinstance(max_steps, int) and max_steps > 0:
+        every = max(1, min(every, max_steps))
+        return every, max(every, max_steps // every * every)
+    return every, every * 10
+
+
+def _summary_callbacks(callbacks: list[Any], kwargs: dict[str, Any], pipelined: bool) -> list[Any]:
+    """What the end-of-run summary reads: the pipeline monitors (unless configured already, in
+    which case the summary reads those) and the :class:`~lightning_pp.summary.RunSummary`."""
+    from lightning_pp.callbacks import (
+        ActivationMemoryMonitor,
+        PipelineBubbleMonitor,
+        PipelineTimeline,
+    )
+    from lightning_pp.summary import RunSummary
+
+    every, timeline_every = _measure_every(kwargs)
+    added: list[Any] = []
+    if pipelined:
+        for cls, make in (
+            (PipelineBubbleMonitor, lambda: PipelineBubbleMonitor(every_n_steps=every)),
+            (ActivationMemoryMonitor, lambda: ActivationMemoryMonitor(every_n_steps=every)),
+            (PipelineTimeline, lambda: PipelineTimeline(every_n_steps=timeline_every)),
+        ):
+            if not any(isinstance(c, cls) for c in callbacks):
+                added.append(make())
+    if not any(isinstance(c, RunSummary) for c in callbacks):
+        added.append(RunSummary(every_n_steps=every))
+    return added
+
+
 def build_trainer(
     cfg: RunConfig,
     launch: LaunchEnvironment | None = None,
     losses_out: str | None = None,
+    summary: bool = True,
 ) -> Any:
-    """An ``L.Trainer`` from the trainer/strategy/callbacks/logger sections."""
+    """An ``L.Trainer`` from the trainer/strategy/callbacks/logger sections.
+
+    Added unless configured: a progress display (a TQDM bar on a terminal, plain lines, at most
+    one per logging interval, otherwise), :class:`~lightning_pp.progress.FinalValidation`, and
+    with ``summary`` the :class:`~lightning_pp.summary.RunSummary` with the pipeline
+    measurements it reads.
+    """
+    import sys
+
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import ProgressBar
 
     from lightning_pp.config import _build_nested
-    from lightning_pp.progress import LossFile, PipelineProgressBar
+    from lightning_pp.progress import (
+        FinalValidation,
+        LossFile,
+        PipelineProgressBar,
+        PlainProgress,
+    )
 
     kwargs = {k: _build_nested(v) for k, v in (cfg.get("trainer") or {}).items()}
     if launch is not None:
         kwargs["devices"], kwargs["num_nodes"] = launch.devices, launch.num_nodes
     callbacks = [instantiate(spec) for spec in (cfg.get("callbacks") or [])]
-    if kwargs.get("enable_progress_bar", True) and not any(
-        isinstance(c, ProgressBar) for c in callbacks
-    ):
-        callbacks.append(PipelineProgressBar())
+    if not any(isinstance(c, FinalValidation) for c in callbacks):
+        callbacks.append(FinalValidation())
     if losses_out:
         callbacks.append(LossFile(losses_out))
     logger = cfg.get("logger")
@@ -145,6 +202,16 @@ def build_trainer(
     strategy = build_strategy(cfg)
     if strategy is not None:
         kwargs["strategy"] = strategy
+    if summary:
+        cls = pipeline_strategy_class()
+        pipelined = cls is not None and isinstance(strategy, cls)
+        callbacks += _summary_callbacks(callbacks, kwargs, pipelined)
+    if kwargs.get("enable_progress_bar", True) and not any(
+        isinstance(c, ProgressBar) for c in callbacks
+    ):
+        # Last, so that its line shows what the measurements of the same step found.
+        interactive = sys.stdout.isatty()
+        callbacks.append(PipelineProgressBar() if interactive else PlainProgress())
     return pl.Trainer(callbacks=callbacks, **kwargs)
 
 
@@ -187,7 +254,13 @@ def run(args: argparse.Namespace) -> int:
         check_run(cfg, launch, model="try")
     except ConfigError as err:
         return fail("fit", str(err))
-    return train(cfg, launch, losses_out=args.losses_out, ckpt_path=args.ckpt_path)
+    return train(
+        cfg,
+        launch,
+        losses_out=args.losses_out,
+        ckpt_path=args.ckpt_path,
+        summary=getattr(args, "summary", True),
+    )
 
 
 def train(
@@ -195,8 +268,11 @@ def train(
     launch: LaunchEnvironment | None,
     losses_out: str | None = None,
     ckpt_path: str | None = None,
+    summary: bool = True,
 ) -> int:
     import lightning.pytorch as pl
+
+    from lightning_pp.summary import RunSummary
 
     if launch is not None:
         trainer_cfg = cfg.get("trainer") or {}
@@ -210,7 +286,7 @@ def train(
         pl.seed_everything(seed, workers=True, verbose=False)
     try:
         model, datamodule = build_model_and_data(cfg)
-        trainer = build_trainer(cfg, launch, losses_out=losses_out)
+        trainer = build_trainer(cfg, launch, losses_out=losses_out, summary=summary)
     except ConfigError as err:
         return fail("fit", str(err))
     except (ValueError, TypeError) as err:
@@ -238,11 +314,45 @@ def train(
     if sample_cfg.enabled:
         text = sample_after_fit(trainer, model, cfg, sample_cfg)
         if trainer.is_global_zero and text is not None:
+            caption = sample_caption(trainer, cfg, sample_cfg)
             print(
+                f"[lightning-pp] sample: {caption}\n"
                 f"[lightning-pp] sample (prompt {sample_cfg.prompt!r}):\n{sample_cfg.prompt}{text}",
                 flush=True,
             )
+            for cb in trainer.callbacks:
+                if isinstance(cb, RunSummary):
+                    cb.add_sample(sample_cfg.prompt, text, caption)
     return 0
+
+
+def sample_caption(trainer: Any, cfg: RunConfig, sample: SampleConfig) -> str:
+    """What the sample comes from, in numbers: model size, training seen, loss, decoding.
+
+    Facts only, no claim about its quality: the reader judges the text against the loss.
+    """
+    import math
+
+    from lightning_pp.commands._common import meta_model_info
+    from lightning_pp.summary import RunSummary
+
+    parts = []
+    try:
+        parts.append(f"a {meta_model_info(cfg).total_params / 1e6:.2f}M-parameter model")
+    except Exception:  # a model that cannot be built on meta: the caption just says less
+        pass
+    parts.append(f"after {trainer.global_step} steps")
+    summary = next((cb.summary for cb in trainer.callbacks if isinstance(cb, RunSummary)), {})
+    if summary.get("tokens"):
+        parts.append(f"{summary['tokens'] / 1e6:.1f}M tokens seen")
+    val = summary.get("val_loss") or []
+    if val:
+        nats = val[-1][1]
+        parts.append(f"validation loss {nats:.2f} nats = {nats / math.log(2):.2f} bits per token")
+    decoding = "greedy" if sample.temperature <= 0 else f"temperature {sample.temperature:g}"
+    if sample.top_k:
+        decoding += f", top-k {sample.top_k}"
+    return ", ".join(parts) + f"; {decoding}"
 
 
 def _full_model_on_rank_zero(trainer: Any, model: Any, cfg: RunConfig) -> Any:
