@@ -533,6 +533,7 @@ def save_pipeline_checkpoint(
     dp_rank: int,
     layout: Mapping[str, Any],
     barrier: Callable[[], None] | None = None,
+    canonical: Mapping[str, str] | None = None,
 ) -> Path:
     """Collective: write this rank's shard of a Lightning ``checkpoint`` into directory ``path``.
 
@@ -546,7 +547,7 @@ def save_pipeline_checkpoint(
         checkpoint,
         path,
         tag=f"pp{pp_rank}" if dp_rank == 0 else None,
-        canonical=tied_canonical_names(module, module.pipeline_layers()),
+        canonical=_canonical(module, canonical),
         layout=layout,
         barrier=barrier,
     )
@@ -560,6 +561,7 @@ def load_pipeline_checkpoint(
     optimizers: Sequence[Optimizer] | None = None,
     scheduler_configs: Sequence[Any] = (),
     weights_only: bool | None = None,
+    canonical: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """Collective: load this rank's layers (and, when ``optimizers`` is given, their optimizer
     state) by name; return Lightning's metadata dict.
@@ -572,7 +574,7 @@ def load_pipeline_checkpoint(
     """
     path = str(path)
     index = read_index(path)
-    canonical = tied_canonical_names(module, module.pipeline_layers())
+    canonical = _canonical(module, canonical)
     strict = module.strict_loading
     used: list[str] = []
     error = None
@@ -603,10 +605,19 @@ def load_pipeline_checkpoint(
     return meta
 
 
-def module_optimizer_state(optimizer: Optimizer, module: Any) -> dict[str, Any]:
+def module_optimizer_state(
+    optimizer: Optimizer, module: Any, canonical: Mapping[str, str] | None = None
+) -> dict[str, Any]:
     """:func:`optimizer_state_by_name` for a module with pipeline layers (tied names resolved)."""
-    canonical = tied_canonical_names(module, module.pipeline_layers())
-    return optimizer_state_by_name(optimizer, module, canonical)
+    return optimizer_state_by_name(optimizer, module, _canonical(module, canonical))
+
+
+def _canonical(module: Any, canonical: Mapping[str, str] | None) -> Mapping[str, str]:
+    """Tied member -> stored name: as given (a split model's ties), else from the module's
+    :class:`~lightning_pp.model.PipelineLayers`."""
+    if canonical is not None:
+        return canonical
+    return tied_canonical_names(module, module.pipeline_layers())
 
 
 def remove_checkpoint_dir(path: str | os.PathLike) -> None:

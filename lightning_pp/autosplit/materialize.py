@@ -31,6 +31,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,7 +45,7 @@ from torch.nn.modules.module import (
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-__all__ = ["ReplayError", "ShapeBuild", "meta_build", "replay_build"]
+__all__ = ["ReplayError", "ShapeBuild", "meta_build", "meta_twin", "replay_build"]
 
 
 class ReplayError(RuntimeError):
@@ -134,8 +135,10 @@ def replay_build(
     """Build ``model_fn()`` on CPU holding real storage only for tensors with a kept name.
 
     A tensor is kept when ANY of its names is (a tied weight is kept where any of its users is).
-    The kept tensors equal those of ``torch.manual_seed(seed); model_fn()`` (``seed=None``: of a
-    plain build from the current RNG state). The caller's RNG state is restored afterwards.
+    The kept tensors equal those of ``torch.manual_seed(seed); model_fn()``; the caller's RNG
+    state is then restored. ``seed=None``: those of a plain build from the current RNG state,
+    and the generator is left where a plain build leaves it (what comes next, e.g. a shuffling
+    sampler's seed, draws the same numbers as in an unpipelined run).
 
     Raises:
         ReplayError: the constructor registered different tensors than in the shape build.
@@ -167,7 +170,8 @@ def replay_build(
         originals.append(value)
         return out
 
-    with torch.random.fork_rng(devices=[]):
+    rng = torch.random.fork_rng(devices=[]) if seed is not None else contextlib.nullcontext()
+    with rng:
         if seed is not None:
             torch.manual_seed(seed)
         with _registration_hooks(swap, swap), _ScratchRandom():
@@ -190,3 +194,15 @@ def replay_build(
                 f"build, expected the opposite (was it re-created outside its registration?)"
             )
     return model
+
+
+def meta_twin(model: nn.Module) -> ShapeBuild:
+    """A meta-device copy of an already built ``model`` (same names and ties, no storage): the
+    shape build for a model that exists already (``StagedModel.assemble``). Only module
+    objects are copied; every parameter and buffer becomes a meta tensor of its shape."""
+    memo: dict[int, Any] = {}
+    for p in model.parameters():
+        memo.setdefault(id(p), _to_meta(p))
+    for b in model.buffers():
+        memo.setdefault(id(b), torch.empty_like(b, device="meta"))
+    return ShapeBuild(copy.deepcopy(model, memo))

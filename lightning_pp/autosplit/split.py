@@ -348,18 +348,37 @@ class StagedModel:
             shape.model, split, num_stages, placement=placement, ranges=ranges
         )
         mine = set(stages)
-        bad = [s for s in mine if not 0 <= s < num_stages]
-        if bad:
-            raise SplitError(f"stages {bad} out of range for {num_stages} virtual stages")
+        if any(not 0 <= s < num_stages for s in mine):
+            raise SplitError(f"stages {sorted(mine)} out of range for {num_stages} stages")
 
         def keep(name: str) -> bool:
             s = layout.stage_of(name)
             return s is None or s in mine  # shared buffers are real everywhere
 
         model = replay_build(model_fn, shape, keep, seed)
+        staged = cls.assemble(model, shape, layout, stages, device)
+        model.to(staged.device)
+        return staged
+
+    @classmethod
+    def assemble(
+        cls,
+        model: nn.Module,
+        shape: ShapeBuild,
+        layout: SplitLayout,
+        stages: Sequence[int],
+        device: torch.device | str = "cpu",
+    ) -> StagedModel:
+        """Stage an already built ``model`` IN PLACE: modules of other stages are replaced by
+        parameter-free stand-ins. ``shape.model`` is a meta-device twin of ``model`` (same names,
+        same ties), from :func:`~lightning_pp.autosplit.materialize.meta_build` or
+        :func:`~lightning_pp.autosplit.materialize.meta_twin`."""
+        mine = set(stages)
+        bad = [s for s in mine if not 0 <= s < layout.num_stages]
+        if bad:
+            raise SplitError(f"stages {bad} out of range for {layout.num_stages} virtual stages")
         staged = cls(model, layout, sorted(stages), shape, torch.device(device))
         staged._install(mine)
-        model.to(staged.device)
         staged._tied = staged._find_ties()
         return staged
 
@@ -474,11 +493,14 @@ class StagedModel:
         activation: Tensor | None,
         microbatch: Any,
         step: Callable[[nn.Module, Any], Any],
-    ) -> Tensor:
+        *,
+        expect_tensor: bool = True,
+    ) -> Any:
         """Run local stage ``self.stages[chunk]`` of ``step(model, microbatch)``.
 
         Returns the hidden state to send on, or on the last stage what ``step`` returns (the
-        loss). ``activation``: the previous stage's output (``None`` on stage 0).
+        loss; any value when ``expect_tensor=False``, e.g. a ``validation_step`` returning
+        ``None``). ``activation``: the previous stage's output (``None`` on stage 0).
         """
         stage = self.stages[chunk]
         last = stage == self.layout.num_stages - 1
@@ -507,7 +529,7 @@ class StagedModel:
                 f"{where}: the step's result is computed from `{'`, `'.join(found)}`, which runs "
                 f"on another pipeline stage (is it placed right? pass placement={{name: 'last'}})"
             )
-        if not isinstance(out, Tensor):
+        if expect_tensor and not isinstance(out, Tensor):
             raise SplitError(f"{where}: the step must return the loss tensor, got {type(out)}")
         return out
 
@@ -533,6 +555,20 @@ class StagedModel:
             if here:
                 ties.append(TiedParameter(here, tuple(names), tuple(stages), local[here[0]]))
         return ties
+
+    def all_ties(self) -> list[tuple[tuple[str, ...], tuple[int, ...]]]:
+        """Every tie of the WHOLE model spanning several stages, as ``(names, stages)``, in the
+        same order on every rank (the shape build's parameter order): collectives per tie
+        (one process group each) must be created in one order everywhere."""
+        by_id: dict[int, list[str]] = {}
+        for n, p in self._shape.model.named_parameters(remove_duplicate=False):
+            by_id.setdefault(id(p), []).append(n)
+        out = []
+        for names in by_id.values():
+            stages = tuple(sorted({self.layout.stage_of(n) for n in names}))
+            if len(stages) > 1:
+                out.append((tuple(names), stages))
+        return out
 
     @property
     def tied(self) -> list[TiedParameter]:
