@@ -630,8 +630,15 @@ def remove_checkpoint_dir(path: str | os.PathLike) -> None:
 
 
 # ---------------------------------------------------------------------------------- consolidate
-def consolidated_state_dict(path: str | os.PathLike) -> dict[str, Tensor]:
-    """All stages' tensors in one dict, tied members expanded (same tensor under each name)."""
+def consolidated_state_dict(
+    path: str | os.PathLike, submodule: str | None = None
+) -> dict[str, Tensor]:
+    """All stages' tensors in one dict, tied members expanded (same tensor under each name).
+
+    ``submodule``: keep only the keys under that LightningModule attribute, without its prefix
+    (``"model"``: the state dict of the Hugging Face model a ``split=`` module holds as
+    ``self.model``, for ``HFModel.load_state_dict(strict=True)`` / ``save_pretrained``).
+    """
     path = Path(path)
     index = read_index(path)
     state: dict[str, Tensor] = {}
@@ -641,6 +648,11 @@ def consolidated_state_dict(path: str | os.PathLike) -> dict[str, Tensor]:
     for canonical, member in index["tied"]:
         if canonical in state:
             state[member] = state[canonical]
+    if submodule:
+        prefix = submodule.rstrip(".") + "."
+        state = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
+        if not state:
+            raise CheckpointError(f"checkpoint {str(path)!r} holds no keys under {prefix!r}")
     return dict(sorted(state.items(), key=lambda kv: _natural_key(kv[0])))
 
 
@@ -652,6 +664,7 @@ def consolidate_checkpoint(
     path: str | os.PathLike,
     out: str | os.PathLike | None = None,
     module: Any = None,
+    submodule: str | None = None,
 ) -> dict[str, Any]:
     """Merge a sharded checkpoint into one ordinary file.
 
@@ -664,10 +677,18 @@ def consolidate_checkpoint(
     ``lr_schedulers``, loops, callbacks, hyperparameters), so a plain ``Trainer`` resumes with
     ``trainer.fit(module, ckpt_path=out)``.
 
+    ``submodule`` (without ``module``): only that attribute's keys, unprefixed (see
+    :func:`consolidated_state_dict`).
+
     Returns what was (or would be) written to ``out``.
     """
     path = Path(path)
-    state = consolidated_state_dict(path)
+    if module is not None and submodule:
+        raise ValueError(
+            "consolidate_checkpoint: pass module (a Lightning checkpoint) or "
+            "submodule (a plain state dict of one attribute), not both"
+        )
+    state = consolidated_state_dict(path, None if module is not None else submodule)
     if module is None:
         result: dict[str, Any] = state
     else:
