@@ -245,3 +245,24 @@ def test_the_plain_model_still_runs_outside_a_stage():
     plain = fn()
     batch = lm_batch(3, 2, 6)
     assert torch.equal(step(st.model, batch), step(plain, batch))
+
+
+def test_logs_of_the_last_stage_are_averaged_over_microbatches():
+    """``self.log`` inside a split step: weighted by microbatch size like the loss; calls made
+    on other stages (weight None) are dropped; non-scalars are refused."""
+    from lightning_pp.autosplit.strategy_glue import _LogCapture
+
+    cap = _LogCapture()
+    cap.weight = 2
+    cap("loss", torch.tensor(1.0), sync_dist=True)
+    cap.weight = 6
+    cap("loss", 3.0, sync_dist=True)
+    cap.weight = None
+    cap("loss", 100.0)
+    assert cap.take() == {"loss": (2.5, (), {"sync_dist": True})}
+    assert cap.take() == {}
+    cap.weight = 1
+    with pytest.raises(ValueError, match="scalars only"):
+        cap("x", torch.ones(3))
+    with pytest.raises(TypeError, match="not supported"):
+        cap("x", object())

@@ -33,16 +33,17 @@ class Tokens(Dataset):
     def __len__(self) -> int:
         return len(self.seq)
 
-    def __getitem__(self, i: int) -> torch.Tensor:
-        return self.seq[i]
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        # The samples of one global batch share a length (7..BLOCK) that changes from batch to
+        # batch, so every data-parallel share and the plain run's batch are cut alike: the side
+        # inputs (positions, masks, rotary tables) must follow the length.
+        return self.seq[i], BLOCK - (i // GLOBAL_BATCH) % 6
 
 
-def collate(samples: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(x, y)`` cut to a length that changes from batch to batch (7..BLOCK), chosen from the
-    batch's first token so a pipelined run and its reference cut alike: the side inputs
-    (positions, masks, rotary tables) must follow the length."""
-    seq = torch.stack(samples)
-    length = BLOCK - int(seq[0, 0]) % 6
+def collate(samples: list[tuple[torch.Tensor, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x, y)`` cut to the batch's length."""
+    seq = torch.stack([s for s, _ in samples])
+    length = samples[0][1]
     return seq[:, :length].contiguous(), seq[:, 1 : length + 1].contiguous()
 
 
