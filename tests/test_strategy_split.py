@@ -35,10 +35,22 @@ from lightning_pp.autosplit import meta_build  # noqa: E402
 from lightning_pp.checkpoint import consolidate_checkpoint  # noqa: E402
 
 REL_TOL = 1e-5
+# One torchrun job (5 configurations, 4 processes) plus 4 plain references: about 2 minutes on
+# an idle 2-core machine, several times that under load; the fixtures count against each test.
+pytestmark = pytest.mark.timeout(1200)
 GPT2, LLAMA = "model.transformer.h", "model.model.layers"
 CONFIGS = [
     # pp4 x dp1, 1F1B, accumulation and clipping; built in configure_model
-    dict(name="gpt2_pp4", model="gpt2", split=GPT2, pp=4, microbatches=4, accumulate=2, clip=0.5),
+    dict(
+        name="gpt2_pp4",
+        model="gpt2",
+        split=GPT2,
+        pp=4,
+        microbatches=4,
+        accumulate=2,
+        clip=0.5,
+        eval=True,  # trainer.test and trainer.predict too
+    ),
     # pp2 x dp2, interleaved (vpp 2)
     dict(name="llama_pp2_vpp2_dp2", model="llama", split=LLAMA, pp=2, vpp=2, microbatches=2),
     # pp4 x vpp2 (8 stages of one block), the model built in __init__ (tied head)
@@ -102,7 +114,7 @@ def runs(tmp_path_factory) -> tuple[Path, dict[str, list[dict]]]:
         json.dumps(CONFIGS),
     ]
     env = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)}
-    result = run_job(cmd, env={**os.environ, **env}, cwd=ROOT, timeout=900)
+    result = run_job(cmd, env={**os.environ, **env}, cwd=ROOT, timeout=1000)
     if result.timed_out or result.returncode != 0:
         pytest.fail(result.describe(6000))
     data = {
@@ -132,7 +144,7 @@ def test_losses_match_a_plain_trainer(runs, references, cfg):
         assert all(math.isfinite(x) for x in d["train"])
         errs = _rel(d["train"], ref["train"])
         assert max(errs) <= tol, f"rank {d['rank']}: train loss relative errors {errs}"
-        errs = _rel([*d["val"], d["test"]], [*ref["val"], ref["test"]])
+        errs = _rel([*d["val"], d.get("test", 1.0)], [*ref["val"], ref.get("test", 1.0)])
         assert max(errs) <= tol, f"rank {d['rank']}: val/test loss relative errors {errs}"
         # every rank logs the same values (captured on the last stage, sent to the others)
         assert d["train"] == ranks[0]["train"] and d["val"] == ranks[0]["val"]
@@ -179,11 +191,9 @@ def test_consolidate_cli_writes_the_hf_state_dict(runs, tmp_path):
     plain.load_state_dict(torch.load(target, weights_only=True), strict=True)
 
 
-@pytest.mark.parametrize("cfg", TRAINED[:3], ids=[c["name"] for c in TRAINED[:3]])
-def test_predict_matches(runs, references, cfg):
-    ranks = runs[1][cfg["name"]]
-    want = references[cfg["name"]]["predict"]
-    for d in ranks:
+def test_predict_matches(runs, references):
+    want = references["gpt2_pp4"]["predict"]
+    for d in runs[1]["gpt2_pp4"]:
         assert len(d["predict"]) == len(want)
         for got, exp in zip(d["predict"], want):
             got, exp = torch.tensor(got), torch.tensor(exp)

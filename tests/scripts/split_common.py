@@ -167,12 +167,12 @@ def run_reference(cfg: dict) -> dict[str, Any]:
     module = CausalLM(cfg["model"], cfg.get("build", "configure_model"))
     data = Data(dp=1, accumulate=cfg.get("accumulate", 1))
     trainer.fit(module, data)
-    test = trainer.test(module, data, verbose=False)[0]["test_loss"]
-    preds = trainer.predict(module, data)
-    return {
+    out = {
         "train": losses.train,
         "val": losses.val,
-        "test": test,
-        "predict": [p.tolist() for p in preds],
         "state_dict": {k: v.detach().clone() for k, v in module.model.state_dict().items()},
     }
+    if cfg.get("eval"):
+        out["test"] = trainer.test(module, data, verbose=False)[0]["test_loss"]
+        out["predict"] = [p.tolist() for p in trainer.predict(module, data)]
+    return out

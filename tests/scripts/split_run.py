@@ -5,7 +5,8 @@ group (start-up paid once); write per-rank JSON and a sharded checkpoint per con
 
 Each config: {"name", "model", "split", "pp", "vpp", "microbatches", optional "schedule",
 "accumulate", "precision", "clip", "build" ("configure_model" | "init"), "resume" (name of an
-earlier config whose checkpoint this one loads, at its own shape, and only validates)}.
+earlier config whose checkpoint this one loads, at its own shape, and only validates), "eval"
+(also run trainer.test and trainer.predict)}.
 """
 
 from __future__ import annotations
@@ -51,9 +52,10 @@ def run(cfg: dict, devices: int, out: str) -> None:
     else:
         trainer.fit(module, data)
         trainer.save_checkpoint(ckpt)
-        result["test"] = trainer.test(module, data, verbose=False)[0]["test_loss"]
-        preds = trainer.predict(module, data)
-        result["predict"] = [p.tolist() for p in preds] if preds else None
+        if cfg.get("eval"):  # test and predict too (once: each costs a Trainer run)
+            result["test"] = trainer.test(module, data, verbose=False)[0]["test_loss"]
+            preds = trainer.predict(module, data)
+            result["predict"] = [p.tolist() for p in preds] if preds else None
     staged = strategy.split_pipeline.staged
     stages = set(staged.stages)
     plain = meta_build(lambda: CausalLM(cfg["model"], "init")).model  # every name and tie
