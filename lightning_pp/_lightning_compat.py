@@ -102,8 +102,8 @@ def model_summary_settings(callback: Any) -> tuple[int, dict[str, Any]]:
     model summary callback (``ModelSummary``, ``RichModelSummary``).
 
     Why: under the strategy the summary must gather every stage's rows before printing
-    (:mod:`lightning_pp.model_summary`); the pipeline's version of ``on_fit_start`` needs the depth and
-    the printing options the user gave the callback, which Lightning keeps only in these
+    (:mod:`lightning_pp.model_summary`); the pipeline's version of ``on_fit_start`` needs the
+    depth and the printing options the user gave the callback, which Lightning keeps only in these
     attributes.
     """
     return int(callback._max_depth), dict(callback._summarize_kwargs)

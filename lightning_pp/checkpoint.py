@@ -776,6 +776,7 @@ def save_pipeline_checkpoint(
     dp_rank: int,
     layout: Mapping[str, Any],
     barrier: Callable[[], None] | None = None,
+    canonical: Mapping[str, str] | None = None,
 ) -> Path:
     """Collective: write this rank's shard of a Lightning ``checkpoint`` into directory ``path``.
 
@@ -789,7 +790,7 @@ def save_pipeline_checkpoint(
         checkpoint,
         path,
         tag=f"pp{pp_rank}" if dp_rank == 0 else None,
-        canonical=tied_canonical_names(module, module.pipeline_layers()),
+        canonical=_canonical(module, canonical),
         layout=layout,
         barrier=barrier,
     )
@@ -803,6 +804,7 @@ def load_pipeline_checkpoint(
     optimizers: Sequence[Optimizer] | None = None,
     scheduler_configs: Sequence[Any] = (),
     weights_only: bool | None = None,
+    canonical: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """Collective: load this rank's layers (and, when ``optimizers`` is given, their optimizer
     state) by name; return Lightning's metadata dict.
@@ -816,7 +818,7 @@ def load_pipeline_checkpoint(
     """
     path = str(path)
     index = read_index(path)
-    canonical = tied_canonical_names(module, module.pipeline_layers())
+    canonical = _canonical(module, canonical)
     strict = module.strict_loading
     used: list[str] = []
     error = None
@@ -847,10 +849,19 @@ def load_pipeline_checkpoint(
     return meta
 
 
-def module_optimizer_state(optimizer: Optimizer, module: Any) -> dict[str, Any]:
+def module_optimizer_state(
+    optimizer: Optimizer, module: Any, canonical: Mapping[str, str] | None = None
+) -> dict[str, Any]:
     """:func:`optimizer_state_by_name` for a module with pipeline layers (tied names resolved)."""
-    canonical = tied_canonical_names(module, module.pipeline_layers())
-    return optimizer_state_by_name(optimizer, module, canonical)
+    return optimizer_state_by_name(optimizer, module, _canonical(module, canonical))
+
+
+def _canonical(module: Any, canonical: Mapping[str, str] | None) -> Mapping[str, str]:
+    """Tied member -> stored name: as given (a split model's ties), else from the module's
+    :class:`~lightning_pp.model.PipelineLayers`."""
+    if canonical is not None:
+        return canonical
+    return tied_canonical_names(module, module.pipeline_layers())
 
 
 def remove_checkpoint_dir(path: str | os.PathLike) -> None:
@@ -863,8 +874,15 @@ def remove_checkpoint_dir(path: str | os.PathLike) -> None:
 
 
 # ---------------------------------------------------------------------------------- consolidate
-def consolidated_state_dict(path: str | os.PathLike) -> dict[str, Tensor]:
-    """All stages' tensors in one dict, tied members expanded (same tensor under each name)."""
+def consolidated_state_dict(
+    path: str | os.PathLike, submodule: str | None = None
+) -> dict[str, Tensor]:
+    """All stages' tensors in one dict, tied members expanded (same tensor under each name).
+
+    ``submodule``: keep only the keys under that LightningModule attribute, without its prefix
+    (``"model"``: the state dict of the Hugging Face model a ``split=`` module holds as
+    ``self.model``, for ``HFModel.load_state_dict(strict=True)`` / ``save_pretrained``).
+    """
     path = Path(path)
     index = read_index(path)
     state: dict[str, Tensor] = {}
@@ -874,6 +892,11 @@ def consolidated_state_dict(path: str | os.PathLike) -> dict[str, Tensor]:
     for canonical, member in index["tied"]:
         if canonical in state:
             state[member] = state[canonical]
+    if submodule:
+        prefix = submodule.rstrip(".") + "."
+        state = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
+        if not state:
+            raise CheckpointError(f"checkpoint {str(path)!r} holds no keys under {prefix!r}")
     return dict(sorted(state.items(), key=lambda kv: _natural_key(kv[0])))
 
 
@@ -885,6 +908,7 @@ def consolidate_checkpoint(
     path: str | os.PathLike,
     out: str | os.PathLike | None = None,
     module: Any = None,
+    submodule: str | None = None,
     *,
     weights_only: bool = True,
 ) -> dict[str, Any]:
@@ -900,12 +924,20 @@ def consolidate_checkpoint(
     ``trainer.fit(module, ckpt_path=out)``. ``weights_only=False`` loads ``meta.pt`` with code
     execution allowed (see :func:`load_metadata`): only for checkpoints you trust.
 
+    ``submodule`` (without ``module``): only that attribute's keys, unprefixed (see
+    :func:`consolidated_state_dict`).
+
     Every stage of the recorded layout must be present and every file must hold exactly what the
     index lists (:func:`read_index`); otherwise a :class:`CheckpointError` is raised and nothing
     is written. Returns what was (or would be) written to ``out``.
     """
     path = Path(path)
-    state = consolidated_state_dict(path)
+    if module is not None and submodule:
+        raise ValueError(
+            "consolidate_checkpoint: pass module (a Lightning checkpoint) or "
+            "submodule (a plain state dict of one attribute), not both"
+        )
+    state = consolidated_state_dict(path, None if module is not None else submodule)
     if module is None:
         result: dict[str, Any] = state
     else:

@@ -137,6 +137,10 @@ class PipelineEngine:
             bounds the extra memory. ``None``: :data:`GLOO_RECV_LOOKAHEAD` on gloo with
             pp > 1, else 1. Not used on NCCL: there receives follow the schedule's global
             message order (:mod:`lightning_pp.p2p_order`), which one stream per rank needs.
+        chunk_gets_microbatch: call ``chunk(x, microbatch)`` instead of ``chunk(x)``, so a
+            chunk can read its microbatch (token ids, masks, labels) without those tensors
+            travelling with the activation (a split model recomputes its side inputs from them;
+            see :mod:`lightning_pp.autosplit`). ``input_fn`` may then return ``()``.
 
     The batch given to ``train_step``/``eval_step`` must already be on ``device``; every rank of
     a pipeline gets the same batch (the first stage reads inputs, the last stage the targets).
@@ -168,6 +172,7 @@ class PipelineEngine:
         check_finite: bool = False,
         failure_monitor: FailureMonitor | None = None,
         recv_lookahead: int | None = None,
+        chunk_gets_microbatch: bool = False,
     ) -> None:
         if schedule.pp != topology.pp:
             raise ValueError(
@@ -190,6 +195,7 @@ class PipelineEngine:
         self.release_outputs = release_outputs
         self.on_chunk_grads_ready = on_chunk_grads_ready
         self.measure_memory = measure_memory
+        self.chunk_gets_microbatch = chunk_gets_microbatch
         self._steps = 0
         # Where each local chunk sits, from the schedule's placement (eval's forward-only
         # schedule keeps it); the step loss comes from the rank holding the last stage.

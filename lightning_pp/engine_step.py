@@ -321,12 +321,13 @@ class StepRun:
             )
             x = inputs if arrived.is_tuple else inputs[0]
         saved: dict[Any, int] = {}
+        args = (x, microbatch) if engine.chunk_gets_microbatch else (x,)
         try:
             if engine.measure_memory and self.train:
                 with torch.autograd.graph.saved_tensors_hooks(self._pack(saved), lambda t: t):
-                    out = engine.chunks[c](x)
+                    out = engine.chunks[c](*args)
             else:
-                out = engine.chunks[c](x)
+                out = engine.chunks[c](*args)
         except Exception as e:
             if place.first:
                 raise

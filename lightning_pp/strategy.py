@@ -39,6 +39,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from . import _lightning_compat as compat
+from .autosplit.strategy_glue import SplitPipeline
 from .checkpoint import (
     load_pipeline_checkpoint,
     module_optimizer_state,
@@ -55,6 +56,7 @@ from .model import (
     replace_submodule,
     select_layers,
 )
+from .model_summary import StageInfo, restore_summaries, use_pipeline_summaries
 from .partition import PipelineChunk
 from .placement import LayerPlacement
 from .plan import (
@@ -69,7 +71,6 @@ from .plan import (
 from .precision import GlobalNormClipping, clip_by_global_norm, with_global_norm_clipping
 from .process_strategy import ProcessGroupStrategy, StartMethod
 from .stage_logging import LogCall, capture_logs, refuse_logs, replay_logs
-from .model_summary import StageInfo, restore_summaries, use_pipeline_summaries
 from .topology import PipelineTopology, ProcessGroups, build_process_groups
 
 __all__ = ["PipelineStrategy"]
@@ -106,6 +107,16 @@ class PipelineStrategy(ProcessGroupStrategy):
         recv_lookahead: post the receives of up to this many upcoming actions early, so data
             arrives while the rank computes; ``None``: 8 on gloo, 1 on NCCL (see
             :class:`~lightning_pp.engine.PipelineEngine`). Each adds one boundary buffer.
+        split: pipeline a module that is NOT written with ``PipelineLayers``: the dotted name,
+            relative to the LightningModule, of the ModuleList of repeated blocks
+            (``"model.transformer.h"`` for a GPT-2 held as ``self.model``). Blocks are cut
+            between; what runs before the first block goes to the first stage, after the last
+            to the last stage. The module's own ``training_step``/``validation_step``/
+            ``test_step``/``predict_step`` run as written, and state-dict keys stay the model's
+            own (:mod:`lightning_pp.autosplit.strategy_glue`, docs/strategy.md "Bring your own
+            model").
+        split_placement: ``{module name: "first" | "last"}`` for modules beside the blocks whose
+            registration order does not say on which end they run (``split`` only).
 
     Example::
 
@@ -135,6 +146,8 @@ class PipelineStrategy(ProcessGroupStrategy):
         watchdog_timeout: float | None = DEFAULT_WATCHDOG_TIMEOUT,
         check_finite: bool = False,
         recv_lookahead: int | None = None,
+        split: str | None = None,
+        split_placement: dict[str, str] | None = None,
     ) -> None:
         super().__init__(
             start_method=start_method,
@@ -155,6 +168,8 @@ class PipelineStrategy(ProcessGroupStrategy):
         self.watchdog_timeout = watchdog_timeout
         self.check_finite = check_finite
         self.recv_lookahead = recv_lookahead
+        #: the ``split=`` path (an unmodified model cut between its blocks), else ``None``
+        self.split_pipeline = SplitPipeline(split, split_placement) if split else None
         #: the checked shape; complete once the world and the module's layers are known
         self.plan: PipelinePlan | None = None
         self._check_shape()  # fail at construction, before any process starts
@@ -313,6 +328,10 @@ class PipelineStrategy(ProcessGroupStrategy):
     @override
     def model_sharded_context(self) -> Generator[None, None, None]:
         """Around ``configure_model``: PipelineLayers built here hold this rank's layers only."""
+        if self.split_pipeline is not None:  # an unmodified model: its own build, staged
+            with self.split_pipeline.build_context(self, self.lightning_module):
+                yield
+            return
         module = self.lightning_module
         built = None
         if module is not None:
@@ -356,25 +375,34 @@ class PipelineStrategy(ProcessGroupStrategy):
         assert self.accelerator is not None and self.topology is not None
         self.accelerator.setup(trainer)
         module = self.lightning_module
-        for hook in ("pipeline_layers", "pipeline_input", "pipeline_loss"):
-            if not callable(getattr(module, hook, None)):
-                raise TypeError(
-                    f"{type(module).__name__} lacks {hook}(); subclass lightning_pp.PipelineMixin"
-                )
-        if not self._warned_steps:
-            self._warned_steps = True
-            steps = ignored_step_overrides(module)
-            if steps:
-                rank_zero_warn(ignored_steps_message(module, steps))
-        layers = module.pipeline_layers()
-        self._keep_local_layers(layers)
-        self._check_module(module, layers)
+        split = self.split_pipeline
+        if split is not None:
+            split.stage_module(self, module)
+        else:
+            for hook in ("pipeline_layers", "pipeline_input", "pipeline_loss"):
+                if not callable(getattr(module, hook, None)):
+                    raise TypeError(
+                        f"{type(module).__name__} lacks {hook}(); subclass "
+                        f"lightning_pp.PipelineMixin, or pass PipelineStrategy(split=...)"
+                    )
+            if not self._warned_steps:
+                self._warned_steps = True
+                steps = ignored_step_overrides(module)
+                if steps:
+                    rank_zero_warn(ignored_steps_message(module, steps))
+            layers = module.pipeline_layers()
+            self._keep_local_layers(layers)
+            self._check_module(module, layers)
         self.precision_plugin.convert_module(module)
         self.model_to_device()
         assert self.plan is not None and self.placement is not None
-        ranges = self.plan.stage_layers(self.topology.pp_rank)
-        self.chunks = [PipelineChunk([layers[i] for i in r], indices=r) for r in ranges]
-        self.tied_sync = tied_parameter_sync(layers, self.placement, self.topology, self.groups)
+        if split is not None:
+            self.chunks = list(split.chunks)
+            self.tied_sync = split.tied_sync(self)
+        else:
+            ranges = self.plan.stage_layers(self.topology.pp_rank)
+            self.chunks = [PipelineChunk([layers[i] for i in r], indices=r) for r in ranges]
+            self.tied_sync = tied_parameter_sync(layers, self.placement, self.topology, self.groups)
         self.tied_sync.broadcast_weights()  # the copies start from the owner's values
 
         fitting = trainer.state.fn == TrainerFn.FITTING
@@ -416,9 +444,15 @@ class PipelineStrategy(ProcessGroupStrategy):
     def _gather_over_pipeline(self, obj: Any) -> list[Any]:
         """Collective over this rank's pipeline group: every stage's ``obj``, in stage order."""
         assert self.groups is not None
-        gathered: list[Any] = [None] * self.pp
-        dist.all_gather_object(gathered, obj, group=self.groups.pp_group)
-        return gathered
+        assert self.topology is not None
+        # One watched broadcast per stage (runs once, at fit start): all_gather_object has no
+        # async_op, so it could not honour the watchdog.
+        return [
+            self.broadcast_object(
+                obj, self.topology.global_rank(r), self.groups.pp_group, "the model summary"
+            )
+            for r in range(self.pp)
+        ]
 
     def _keep_local_layers(self, layers: PipelineLayers) -> None:
         """Layers built outside ``configure_model`` (every rank built all): drop the others."""
@@ -460,13 +494,16 @@ class PipelineStrategy(ProcessGroupStrategy):
             with refuse_logs(module, "pipeline_input", rank):
                 return module.pipeline_input(microbatch)
 
+        if self.split_pipeline is not None:
+            io: dict[str, Any] = self.split_pipeline.engine_kwargs(self)
+        else:
+            io = {"loss_fn": loss_fn, "input_fn": input_fn}
         return PipelineEngine(
             self.chunks,
             self.plan.schedule,
             self.topology,
             self.groups,
-            loss_fn=loss_fn,
-            input_fn=input_fn,
+            **io,
             loss_reduction="mean",
             release_outputs=self.release_outputs,
             on_chunk_grads_ready=self.grad_sync.on_chunk_grads_ready,
@@ -492,7 +529,8 @@ class PipelineStrategy(ProcessGroupStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Tensor:
         """One pipelined forward+backward over the batch; returns the batch loss on every rank."""
-        trainer = self.lightning_module.trainer
+        module = self.lightning_module
+        trainer = module.trainer
         batch = args[0] if args else kwargs["batch"]
         batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
         self._check_batch(batch)
@@ -506,7 +544,10 @@ class PipelineStrategy(ProcessGroupStrategy):
         self._loss_scale = accumulate
         try:
             with self.precision_plugin.train_step_context():
-                result = self.engine.train_step(batch)
+                if self.split_pipeline is not None:  # the module's own training_step per stage
+                    result = self.split_pipeline.train_step(self.engine, module, args, kwargs)
+                else:
+                    result = self.engine.train_step(batch)
         finally:
             self._loss_scale = 1
         self.last_record = result.record
@@ -514,11 +555,13 @@ class PipelineStrategy(ProcessGroupStrategy):
             self.grad_sync.wait()
             self.tied_sync.all_reduce_grads()
         loss = self._dp_mean(result.loss.detach()) * accumulate
-        module = self.lightning_module
         # Backward already ran inside the schedule; fire the hooks users expect around it.
         self.precision_plugin.pre_backward(loss, module)
         self.precision_plugin.post_backward(loss, module)
-        module.pipeline_log_train_loss(loss)
+        if self.split_pipeline is not None:
+            self.split_pipeline.replay_logs(self, module)  # what training_step logged
+        else:
+            module.pipeline_log_train_loss(loss)
         return loss
 
     def _dp_mean(self, value: Tensor) -> Tensor:
@@ -601,19 +644,31 @@ class PipelineStrategy(ProcessGroupStrategy):
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._eval(args[0], "val", self.precision_plugin.val_step_context)
+        context = self.precision_plugin.val_step_context
+        if self.split_pipeline is not None:
+            return self.split_pipeline.forward_only(self, "validation_step", args, kwargs, context)
+        return self._eval(args[0], "val", context)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._eval(args[0], "test", self.precision_plugin.test_step_context)
+        context = self.precision_plugin.test_step_context
+        if self.split_pipeline is not None:
+            return self.split_pipeline.forward_only(self, "test_step", args, kwargs, context)
+        return self._eval(args[0], "test", context)
+
+    def _predict_output(self, output: Any) -> Any:
+        return _to_cpu(output) if self.pp > 1 else output
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         """The batch's output (microbatches concatenated), on every rank of the pipeline, so
         ``trainer.predict`` returns predictions on global rank 0 too (as spawn launchers need)."""
-        on_output = _to_cpu if self.pp > 1 else (lambda output: output)
         context = self.precision_plugin.predict_step_context
-        return self._forward_only(args[0], context, on_output, "predict_step")
+        if self.split_pipeline is not None:
+            return self.split_pipeline.forward_only(
+                self, "predict_step", args, kwargs, context, predict=True
+            )
+        return self._forward_only(args[0], context, self._predict_output, "predict_step")
 
     # ------------------------------------------------------------------ checkpoints
     # A checkpoint is a directory: every stage writes its own tensors by original name, rank 0
@@ -634,7 +689,12 @@ class PipelineStrategy(ProcessGroupStrategy):
         """This rank's optimizer state keyed by parameter name (stages' indices would collide)."""
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer.optimizer
-        return module_optimizer_state(optimizer, self.lightning_module)
+        return module_optimizer_state(optimizer, self.lightning_module, self._canonical_names())
+
+    def _canonical_names(self) -> dict[str, str] | None:
+        """Tied member -> stored name, for the ``split=`` path (``None``: from the layers)."""
+        split = self.split_pipeline
+        return split.canonical_names() if split is not None else None
 
     @override
     def save_checkpoint(
@@ -656,6 +716,7 @@ class PipelineStrategy(ProcessGroupStrategy):
             dp_rank=topo.dp_rank,
             layout={**placement.layout(), "dp": topo.dp, "world_size": self.world_size},
             barrier=self.barrier,
+            canonical=self._canonical_names(),
         )
 
     @override
@@ -673,6 +734,7 @@ class PipelineStrategy(ProcessGroupStrategy):
             optimizers=list(self.optimizers) if fitting else None,
             scheduler_configs=trainer.lr_scheduler_configs,
             weights_only=weights_only,
+            canonical=self._canonical_names(),
         )
 
     @override

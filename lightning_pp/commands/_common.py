@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -396,7 +396,10 @@ def check_run(
     pp, vpp = settings.get("pp"), settings.get("vpp", 1)
     # pp=None over a world not known yet: the strategy checks the module when it is
     cut = (pp if pp is not None else (world or 1)) * (vpp or 1) > 1
-    if cut and not has_layers:
+    strategy_spec = cfg.get("strategy")
+    # PipelineStrategy(split=...) cuts an unmodified model between its blocks (no layers hook)
+    split = isinstance(strategy_spec, Mapping) and bool(strategy_spec.get("split"))
+    if cut and not has_layers and not split:
         raise ConfigError(
             f"model {target} ({cfg.section_origin('model')}) has no pipeline_layers() "
             f"(see lightning_pp.model.PipelineMixin), so it cannot be cut into "

@@ -9,6 +9,10 @@ Example::
     # plain state_dict for inference: model.load_state_dict(torch.load("gpt.pt"))
     lightning-pp consolidate ckpts/step=500.ckpt gpt.pt
 
+    # a Hugging Face model held as self.model (PipelineStrategy(split=...)):
+    #   hf_model.load_state_dict(torch.load("hf.pt")); hf_model.save_pretrained("out/")
+    lightning-pp consolidate ckpts/step=500.ckpt hf.pt --submodule model
+
     # full Lightning checkpoint (weights, optimizer, schedulers, loops) for a plain Trainer:
     #   trainer.fit(GPT(...), ckpt_path="gpt-full.ckpt")
     lightning-pp consolidate ckpts/step=500.ckpt gpt-full.ckpt --lightning
@@ -40,6 +44,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="write a full Lightning checkpoint (state_dict + optimizer states + schedulers + "
         "loops); rebuilds the module from its saved class and hyperparameters",
+    )
+    p.add_argument(
+        "--submodule",
+        default=None,
+        metavar="ATTR",
+        help="write only the keys under this LightningModule attribute, without the prefix "
+        "(e.g. 'model': a state dict HFModel.load_state_dict(strict=True) accepts)",
     )
     p.add_argument(
         "--module",
@@ -79,8 +90,14 @@ def run(args: argparse.Namespace) -> int:
             if args.lightning
             else None
         )
+        if args.lightning and args.submodule:
+            raise ValueError("--submodule writes a plain state dict; it cannot go with --lightning")
         result = consolidate_checkpoint(
-            args.checkpoint, args.output, module=module, weights_only=not args.trust_checkpoint
+            args.checkpoint,
+            args.output,
+            module=module,
+            weights_only=not args.trust_checkpoint,
+            submodule=args.submodule,
         )
     except (CheckpointError, ValueError, ImportError, AttributeError) as exc:
         return _fail(str(exc))

@@ -1,0 +1,387 @@
+"""``PipelineStrategy(split=...)``: pipeline a LightningModule whose model nobody cut for it.
+
+The module keeps its own ``training_step``/``validation_step``/``test_step``/``predict_step``
+(``return self.model(input_ids=x, labels=y).loss``) and its own model class; the strategy is
+told only where the repeated blocks are (``split="model.transformer.h"``, a name relative to the
+LightningModule). :class:`SplitPipeline` holds everything this path does differently from the
+explicit :class:`~lightning_pp.model.PipelineLayers` path; the strategy calls it at five points
+(building, setup, the engine's loss/input, the steps, checkpoint names).
+
+Building (each rank materialises only its stages):
+
+- model built in ``configure_model`` (recommended): the user's ``configure_model`` runs once on
+  the meta device (names, shapes, ties, registration order), then once more for real with every
+  tensor of another stage swapped for a meta tensor as it is registered
+  (:func:`~lightning_pp.autosplit.materialize.replay_build`). Local weights equal a plain
+  ``Trainer`` run's bit for bit, and the RNG ends where a plain build leaves it.
+- model built in ``__init__`` (e.g. ``from_pretrained``): every rank holds the whole model until
+  ``setup``, where other stages' modules are dropped.
+
+Steps: the engine calls each local stage with its received activation AND its microbatch
+(``chunk_gets_microbatch``), and the stage runs the user's hook on that microbatch; the stage
+stops where the forward calls the next stage's first block (:mod:`.split`). The last stage's
+hook result is the microbatch loss. ``self.log`` calls made inside the hook are captured on the
+last stage, averaged over the microbatches (weighted by their size, like the loss), sent to every
+rank of the pipeline and replayed there with the same arguments, so every rank logs the same
+values (monitors and ``sync_dist=True`` work as under DDP).
+
+Example::
+
+    class Finetune(L.LightningModule):
+        def configure_model(self):
+            self.model = LlamaForCausalLM(config)      # unchanged model class
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            loss = self.model(input_ids=x, labels=y).loss
+            self.log("train_loss", loss, sync_dist=True)
+            return loss
+
+    trainer = L.Trainer(devices=4, strategy=PipelineStrategy(pp=2, split="model.model.layers"))
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Generator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from ..grad_sync import TiedGroup, TiedParameterSync
+from ..microbatch import batch_size_of
+from ..placement import LayerPlacement
+from .materialize import ShapeBuild, _registration_hooks, _to_meta, meta_twin, replay_build
+from .split import SplitError, SplitLayout, StagedModel
+
+__all__ = ["SplitPipeline"]
+
+log = logging.getLogger(__name__)
+
+
+class _Shell(nn.Module):
+    """A plain container holding a LightningModule's children and direct tensors: the meta twin
+    of the root (the LightningModule itself is never copied: it references the Trainer)."""
+
+
+def _shell_of(module: nn.Module, *, meta: bool) -> nn.Module:
+    shell = _Shell()
+    shell._modules.update(module._modules)
+    shell._parameters.update(module._parameters)
+    shell._buffers.update(module._buffers)
+    if not meta:
+        return meta_twin(shell).model
+    for name, p in list(shell._parameters.items()):
+        if p is not None and not p.is_meta:
+            shell._parameters[name] = _to_meta(p)
+    return shell
+
+
+def _snapshot(module: nn.Module) -> dict[str, Any]:
+    state = dict(module.__dict__)
+    for key in ("_modules", "_parameters", "_buffers", "_non_persistent_buffers_set"):
+        state[key] = type(state[key])(state[key])
+    return state
+
+
+def _restore(module: nn.Module, state: dict[str, Any]) -> None:
+    module.__dict__.clear()
+    module.__dict__.update(state)
+
+
+def _loss_of(result: Any, hook: str) -> Tensor:
+    if isinstance(result, dict) and "loss" in result:
+        result = result["loss"]
+    if not isinstance(result, Tensor):
+        raise SplitError(
+            f"{hook} returned {type(result).__name__}; under PipelineStrategy(split=...) it must "
+            f"return the loss tensor (or a dict with 'loss')"
+        )
+    return result
+
+
+class _LogCapture:
+    """``self.log`` inside a hook: kept per name as a microbatch-size-weighted sum."""
+
+    def __init__(self) -> None:
+        self.weight: int | None = None  # size of the running microbatch; None: not the last stage
+        self.values: dict[str, list[Any]] = {}
+
+    def __call__(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        if self.weight is None:
+            return  # a stage other than the last: its hook never got to a real value
+        if isinstance(value, Tensor):
+            if value.numel() != 1:
+                raise ValueError(
+                    f"self.log({name!r}, ...) got a tensor of shape {tuple(value.shape)}; "
+                    f"PipelineStrategy(split=...) logs scalars only"
+                )
+            number = float(value.detach().float())
+        elif isinstance(value, (int, float)):
+            number = float(value)
+        else:
+            raise TypeError(
+                f"self.log({name!r}, {type(value).__name__}) inside a step is not supported "
+                f"under PipelineStrategy(split=...): log a scalar tensor or a number (the value "
+                f"is computed on the last stage and sent to the other ranks)"
+            )
+        entry = self.values.setdefault(name, [0.0, 0, args, kwargs])
+        entry[0] += number * self.weight
+        entry[1] += self.weight
+
+    def take(self) -> dict[str, tuple[float, tuple, dict]]:
+        out = {n: (s / w, a, k) for n, (s, w, a, k) in self.values.items() if w}
+        self.values = {}
+        return out
+
+
+class _SplitChunk(nn.Module):
+    """One local stage as an engine chunk: ``forward(activation, microbatch)``."""
+
+    def __init__(self, pipeline: SplitPipeline, chunk: int) -> None:
+        super().__init__()
+        self._pipeline = [pipeline]  # a list: not registered as a submodule
+        self.chunk = chunk
+        assert pipeline.staged is not None
+        self.owned = nn.ModuleList(pipeline.staged.stage_modules(chunk))
+
+    def forward(self, x: Any, microbatch: Any) -> Any:
+        return self._pipeline[0].run_chunk(self.chunk, x, microbatch)
+
+
+class SplitPipeline:
+    """The ``split=`` path of :class:`~lightning_pp.strategy.PipelineStrategy` (see the module
+    docstring). ``split``: dotted name, relative to the LightningModule, of the ModuleList of
+    repeated blocks; ``placement``: ``{module name: "first" | "last"}`` for modules whose
+    registration order does not say where they run."""
+
+    def __init__(self, split: str, placement: dict[str, str] | None = None) -> None:
+        self.split = split
+        self.placement = dict(placement or {})
+        self.staged: StagedModel | None = None
+        self.chunks: list[_SplitChunk] = []
+        self._step: Callable[[nn.Module, Any], Any] | None = None
+        self._expect_tensor = True
+        self._logs = _LogCapture()
+        self._built_in_configure = False
+
+    # ------------------------------------------------------------------ building
+    def _layout(self, strategy: Any, twin: nn.Module) -> SplitLayout:
+        """Cut the blocks as the strategy's plan says (``partition``, ``pp * vpp``)."""
+        try:
+            blocks = twin.get_submodule(self.split)
+        except AttributeError as e:
+            raise SplitError(
+                f"split={self.split!r}: {type(strategy.lightning_module).__name__} has no such "
+                f"module (the name is relative to the LightningModule, e.g. "
+                f"'model.transformer.h')"
+            ) from e
+        if not isinstance(blocks, (nn.ModuleList, nn.Sequential)):
+            SplitLayout.discover(twin, self.split, 1)  # raises the error naming the type
+        params = [sum(p.numel() for p in b.parameters()) for b in blocks]
+        plan = strategy.plan.with_layers(len(blocks), layer_params=params)
+        strategy.plan = plan
+        strategy.placement = LayerPlacement(plan.schedule, plan.layer_ranges)
+        return SplitLayout.discover(
+            twin, self.split, plan.num_stages, placement=self.placement, ranges=plan.layer_ranges
+        )
+
+    def _stages(self, strategy: Any) -> list[int]:
+        return list(strategy.plan.schedule.stages_of(strategy.topology.pp_rank))
+
+    @contextlib.contextmanager
+    def build_context(self, strategy: Any, module: Any) -> Generator[None, None, None]:
+        """Around Lightning's ``configure_model`` call: build only this rank's stages."""
+        if module is None or self.staged is not None:
+            yield
+            return
+        configure = module.configure_model
+
+        def staged_configure_model() -> None:
+            self._configure(strategy, module, configure)
+
+        module.configure_model = staged_configure_model  # an instance attribute shadows it
+        try:
+            yield
+        finally:
+            module.__dict__.pop("configure_model", None)
+
+    def _configure(self, strategy: Any, module: nn.Module, configure: Callable[[], Any]) -> None:
+        before = _snapshot(module)
+        registrations: list[Tensor | None] = []
+
+        def record(_module: nn.Module, _name: str, value: Any) -> None:
+            registrations.append(value)
+
+        with _registration_hooks(record, record), torch.device("meta"):
+            configure()
+        twin = _shell_of(module, meta=True)
+        _restore(module, before)
+        try:
+            built_here = all(p.is_meta for p in twin.get_submodule(self.split).parameters())
+        except AttributeError:
+            built_here = False
+        if not built_here:  # the blocks come from __init__: setup() stages them in place
+            configure()
+            return
+        layout = self._layout(strategy, twin)
+        mine = set(self._stages(strategy))
+
+        def keep(name: str) -> bool:
+            stage = layout.stage_of(name)
+            return stage is None or stage in mine
+
+        def rebuild() -> nn.Module:
+            configure()
+            return module
+
+        shape = ShapeBuild(twin, registrations)
+        replay_build(rebuild, shape, keep, seed=None)
+        self.staged = StagedModel.assemble(
+            module, shape, layout, sorted(mine), strategy.root_device
+        )
+        self._built_in_configure = True
+
+    def stage_module(self, strategy: Any, module: nn.Module) -> None:
+        """At setup: stage a model that ``configure_model`` did not build (built in
+        ``__init__``): every rank built all of it; other stages' modules are dropped now."""
+        if self.staged is None:
+            if strategy.is_global_zero:
+                log.info(
+                    f"split={self.split!r}: the model was built outside configure_model(); "
+                    f"every rank materialised all of it and now drops other stages' modules "
+                    f"(build it in configure_model() to materialise only local stages)"
+                )
+            twin = _shell_of(module, meta=False)
+            layout = self._layout(strategy, twin)
+            self.staged = StagedModel.assemble(
+                module, ShapeBuild(twin), layout, self._stages(strategy), strategy.root_device
+            )
+        if getattr(strategy.precision_plugin, "scaler", None) is not None:
+            raise ValueError(
+                "PipelineStrategy does not support a gradient scaler (precision='16-mixed'); "
+                "use precision='bf16-mixed' or '32-true'"
+            )
+        self.chunks = [_SplitChunk(self, c) for c in range(len(self.staged.stages))]
+
+    def tied_sync(self, strategy: Any) -> TiedParameterSync:
+        """Collective: one process group per tie whose copies live on several pipeline ranks.
+        The owner (initialises, counts once in the global norm) holds the tie's first name."""
+        staged, topo, groups = self.staged, strategy.topology, strategy.groups
+        assert staged is not None
+        schedule = strategy.plan.schedule
+        local = {t.all_names: t for t in staged.tied}
+        out = []
+        for names, stages in staged.all_ties():
+            pp_ranks = sorted({schedule.locate(s)[0] for s in stages})
+            if len(pp_ranks) < 2:
+                continue
+            owner = schedule.locate(staged.layout.stage_of(names[0]))[0]
+            lists = [[topo.global_rank(r, d) for r in pp_ranks] for d in range(topo.dp)]
+            group = groups.new_groups(lists)  # collective: every rank creates every group
+            if names in local:
+                out.append(
+                    TiedGroup(
+                        names=names,
+                        param=local[names].param,
+                        owner_rank=topo.global_rank(owner),
+                        ranks=lists[topo.dp_rank],
+                        group=group,
+                    )
+                )
+        return TiedParameterSync(out)
+
+    def canonical_names(self) -> dict[str, str]:
+        """Tied member name -> the tie's first name (what a checkpoint stores it under)."""
+        assert self.staged is not None
+        return {n: names[0] for names, _ in self.staged.all_ties() for n in names}
+
+    # ------------------------------------------------------------------ running
+    def engine_kwargs(self, strategy: Any) -> dict[str, Any]:
+        """``PipelineEngine`` arguments: stage 0 reads its microbatch itself; the last stage's
+        hook result is the loss (divided like Lightning divides a plain step's loss)."""
+
+        def loss_fn(out: Any, microbatch: Any) -> Tensor:
+            if not self._expect_tensor:  # evaluation: hooks log; no loss to add up
+                return torch.zeros((), device=strategy.root_device)
+            return out / strategy._loss_scale
+
+        return {"loss_fn": loss_fn, "input_fn": lambda mb: (), "chunk_gets_microbatch": True}
+
+    def run_chunk(self, chunk: int, x: Any, microbatch: Any) -> Any:
+        staged = self.staged
+        assert staged is not None and self._step is not None
+        stage = staged.stages[chunk]
+        last = stage == staged.layout.num_stages - 1
+        self._logs.weight = batch_size_of(microbatch) if last else None
+        try:
+            return staged.run(
+                chunk,
+                None if stage == 0 else x,
+                microbatch,
+                self._step,
+                expect_tensor=self._expect_tensor,
+            )
+        finally:
+            self._logs.weight = None
+
+    @contextlib.contextmanager
+    def _running(
+        self, module: Any, hook: str, args: Sequence[Any], kwargs: dict, train: bool
+    ) -> Generator[None, None, None]:
+        fn = getattr(module, hook)
+        rest, extra = tuple(args[1:]), dict(kwargs)
+        extra.pop("batch", None)
+        if train:
+            self._step = lambda _model, mb: _loss_of(fn(mb, *rest, **extra), hook)
+        else:
+            self._step = lambda _model, mb: fn(mb, *rest, **extra)
+        self._expect_tensor = train
+        module.log = self._logs  # an instance attribute: log_dict's self.log calls land here
+        try:
+            yield
+        finally:
+            module.__dict__.pop("log", None)
+            self._step, self._expect_tensor = None, True
+
+    def train_step(self, engine: Any, module: Any, args: Sequence[Any], kwargs: dict) -> Any:
+        """The engine's training step running ``module.training_step`` on every stage."""
+        batch = args[0] if args else kwargs["batch"]
+        with self._running(module, "training_step", args, kwargs, train=True):
+            return engine.train_step(batch)
+
+    def replay_logs(self, strategy: Any, module: Any, logs: dict | None = None) -> None:
+        """Send the last stage's captured logs to every pipeline rank; log them everywhere."""
+        if logs is None:
+            payload = [self._logs.take()]
+            last = strategy.placement.output_rank
+            if strategy.pp > 1:
+                src = strategy.topology.global_rank(last)
+                dist.broadcast_object_list(payload, src=src, group=strategy.groups.pp_group)
+            logs = payload[0]
+        for name, (value, args, kwargs) in logs.items():
+            value_t = torch.tensor(value, dtype=torch.float32, device=strategy.root_device)
+            type(module).log(module, name, value_t, *args, **kwargs)
+
+    def forward_only(
+        self,
+        strategy: Any,
+        hook: str,
+        args: Sequence[Any],
+        kwargs: dict,
+        context: Callable,
+        predict: bool = False,
+    ) -> Any:
+        """``validation_step``/``test_step``/``predict_step`` through the forward-only
+        schedule: logs (or, for predict, the outputs concatenated) reach every rank."""
+        module = strategy.lightning_module
+        batch = args[0] if args else kwargs["batch"]
+        strategy._check_batch(batch)
+        with self._running(module, hook, args, kwargs, train=False):
+            if predict:
+                return strategy._forward_only(batch, context, strategy._predict_output, hook)
+            logs = strategy._forward_only(batch, context, lambda _out: self._logs.take(), hook)
+        self.replay_logs(strategy, module, logs)
+        return None

@@ -1,0 +1,207 @@
+"""``PipelineStrategy(split=...)`` on models nobody wrote for pipelining, under the real Trainer.
+
+The modules (tests/scripts/split_common.py) hold an unmodified GPT-2 (tied head), Llama (rotary,
+RMSNorm, untied), Qwen2 (tied) or nanoGPT-style GPT and implement only ``training_step`` /
+``validation_step`` / ``test_step`` / ``predict_step`` as for a plain Trainer. One 4-process
+torchrun job trains every configuration in sequence (pp 2 and 4, vpp 1 and 2, dp 1 and 2,
+1F1B / interleaved, accumulation, clipping, bf16-mixed, the model built in ``configure_model``
+or in ``__init__``, a checkpoint resharded on load); this process runs the plain references.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = ROOT / "tests" / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+
+from byom_models import model_fn  # noqa: E402
+from jobs import run_job  # noqa: E402
+from split_common import CausalLM, run_reference  # noqa: E402
+
+from lightning_pp.autosplit import meta_build  # noqa: E402
+from lightning_pp.checkpoint import consolidate_checkpoint  # noqa: E402
+
+REL_TOL = 1e-5
+# One torchrun job (5 configurations, 4 processes) plus 4 plain references: about 2 minutes on
+# an idle 2-core machine, several times that under load; the fixtures count against each test.
+pytestmark = pytest.mark.timeout(1200)
+GPT2, LLAMA = "model.transformer.h", "model.model.layers"
+CONFIGS = [
+    # pp4 x dp1, 1F1B, accumulation and clipping; built in configure_model
+    dict(
+        name="gpt2_pp4",
+        model="gpt2",
+        split=GPT2,
+        pp=4,
+        microbatches=4,
+        accumulate=2,
+        clip=0.5,
+        eval=True,  # trainer.test and trainer.predict too
+    ),
+    # pp2 x dp2, interleaved (vpp 2)
+    dict(name="llama_pp2_vpp2_dp2", model="llama", split=LLAMA, pp=2, vpp=2, microbatches=2),
+    # pp4 x vpp2 (8 stages of one block), the model built in __init__ (tied head)
+    dict(
+        name="nanogpt_pp4_vpp2",
+        model="nanogpt",
+        split="model.transformer.h",
+        pp=4,
+        vpp=2,
+        microbatches=4,
+        build="init",
+        clip=1.0,
+    ),
+    # pp2 x dp2, bf16-mixed, tied head
+    dict(
+        name="qwen2_pp2_dp2_bf16",
+        model="qwen2-tied",
+        split=LLAMA,
+        pp=2,
+        microbatches=2,
+        precision="bf16-mixed",
+    ),
+    # gpt2_pp4's checkpoint loaded at pp2 x vpp2 x dp2 (resharded by name)
+    dict(
+        name="gpt2_resume_pp2_vpp2_dp2",
+        model="gpt2",
+        split=GPT2,
+        pp=2,
+        vpp=2,
+        microbatches=2,
+        resume="gpt2_pp4",
+    ),
+]
+TRAINED = [c for c in CONFIGS if "resume" not in c]
+BY_NAME = {c["name"]: c for c in CONFIGS}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> tuple[Path, dict[str, list[dict]]]:
+    out = tmp_path_factory.mktemp("split")
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "4",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(_free_port()),
+        str(SCRIPTS / "split_run.py"),
+        "--out",
+        str(out),
+        "--configs",
+        json.dumps(CONFIGS),
+    ]
+    env = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)}
+    result = run_job(cmd, env={**os.environ, **env}, cwd=ROOT, timeout=1000)
+    if result.timed_out or result.returncode != 0:
+        pytest.fail(result.describe(6000))
+    data = {
+        c["name"]: [json.loads((out / f"{c['name']}.rank{r}.json").read_text()) for r in range(4)]
+        for c in CONFIGS
+    }
+    return out, data
+
+
+@pytest.fixture(scope="module")
+def references() -> dict[str, dict]:
+    torch.set_num_threads(1)
+    return {c["name"]: run_reference(c) for c in TRAINED}
+
+
+def _rel(got: list[float], want: list[float]) -> list[float]:
+    assert len(got) == len(want), (len(got), len(want))
+    return [abs(g - w) / abs(w) for g, w in zip(got, want)]
+
+
+@pytest.mark.parametrize("cfg", TRAINED, ids=[c["name"] for c in TRAINED])
+def test_losses_match_a_plain_trainer(runs, references, cfg):
+    ranks, ref = runs[1][cfg["name"]], references[cfg["name"]]
+    tol = 5e-2 if cfg.get("precision") == "bf16-mixed" else REL_TOL  # bf16: ~3 digits
+    assert len(ref["train"]) == 10 * cfg.get("accumulate", 1)
+    for d in ranks:
+        assert all(math.isfinite(x) for x in d["train"])
+        errs = _rel(d["train"], ref["train"])
+        assert max(errs) <= tol, f"rank {d['rank']}: train loss relative errors {errs}"
+        errs = _rel([*d["val"], d.get("test", 1.0)], [*ref["val"], ref.get("test", 1.0)])
+        assert max(errs) <= tol, f"rank {d['rank']}: val/test loss relative errors {errs}"
+        # every rank logs the same values (captured on the last stage, sent to the others)
+        assert d["train"] == ranks[0]["train"] and d["val"] == ranks[0]["val"]
+    assert len({round(x, 4) for x in ranks[0]["train"]}) > 3, "the loss must move"
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=[c["name"] for c in CONFIGS])
+def test_each_rank_holds_its_stages_share_under_the_plain_keys(runs, cfg):
+    ranks = runs[1][cfg["name"]]
+    plain_keys = sorted(meta_build(lambda: CausalLM(cfg["model"], "init")).model.state_dict())
+    for d in ranks:
+        assert d["meta"] == 0, f"rank {d['rank']}: {d['meta']} parameters left on meta"
+        assert d["numel"] == d["share"], f"rank {d['rank']}: {d['numel']} != {d['share']}"
+    for dp in (0, 1) if 4 // cfg["pp"] == 2 else (0,):
+        keys = [k for d in ranks if d["dp_rank"] == dp for k in d["keys"]]
+        assert sorted(keys) == plain_keys  # a partition of the plain module's keys
+
+
+@pytest.mark.parametrize("cfg", TRAINED[:3], ids=[c["name"] for c in TRAINED[:3]])
+def test_consolidated_checkpoint_loads_into_the_plain_model(runs, references, cfg):
+    out, _ = runs
+    state = consolidate_checkpoint(out / f"ckpt_{cfg['name']}", submodule="model")
+    torch.manual_seed(123)
+    plain = model_fn(cfg["model"])[0]()
+    plain.load_state_dict(state, strict=True)
+    ref = model_fn(cfg["model"])[0]()
+    ref.load_state_dict(references[cfg["name"]]["state_dict"], strict=True)
+    x = torch.randint(1, 60, (2, 9))
+    with torch.no_grad():
+        if cfg["model"] == "nanogpt":
+            got, want = plain(x, x)[0], ref(x, x)[0]
+        else:
+            got, want = plain(input_ids=x).logits, ref(input_ids=x).logits
+    assert ((got - want).norm() / want.norm()).item() <= REL_TOL
+
+
+def test_consolidate_cli_writes_the_hf_state_dict(runs, tmp_path):
+    out, _ = runs
+    target = tmp_path / "gpt2.pt"
+    cmd = [sys.executable, "-m", "lightning_pp.cli", "consolidate"]
+    cmd += [str(out / "ckpt_gpt2_pp4"), str(target), "--submodule", "model"]
+    subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, timeout=120)
+    plain = model_fn("gpt2")[0]()
+    plain.load_state_dict(torch.load(target, weights_only=True), strict=True)
+
+
+def test_predict_matches(runs, references):
+    want = references["gpt2_pp4"]["predict"]
+    for d in runs[1]["gpt2_pp4"]:
+        assert len(d["predict"]) == len(want)
+        for got, exp in zip(d["predict"], want):
+            got, exp = torch.tensor(got), torch.tensor(exp)
+            assert ((got - exp).norm() / exp.norm()).item() <= REL_TOL
+
+
+def test_resharded_checkpoint_validates_like_the_run_that_wrote_it(runs):
+    _, data = runs
+    written = data["gpt2_pp4"][0]["val"][-1]  # validated at the last step, as saved
+    for d in data["gpt2_resume_pp2_vpp2_dp2"]:
+        assert abs(d["val_resumed"] - written) <= REL_TOL * abs(written)
