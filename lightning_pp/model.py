@@ -284,9 +284,11 @@ class PipelineMixin:
     """Hooks a LightningModule implements to train under a pipeline (and without one).
 
     Required: build ``self.layers = PipelineLayers(...)`` in ``configure_model`` (so each rank
-    materialises only its own layers), and implement :meth:`pipeline_input` and
-    :meth:`pipeline_loss`. The default ``training_step``/``validation_step``/``test_step`` run the
-    layers in order on one process; under :class:`~lightning_pp.strategy.PipelineStrategy` the
+    materialises only its own layers; return early if they are built already, as Lightning
+    calls ``configure_model`` again in every fit/validate/test/predict), and implement
+    :meth:`pipeline_input` and :meth:`pipeline_loss`. The default
+    ``training_step``/``validation_step``/``test_step`` run the layers in order on one process;
+    under :class:`~lightning_pp.strategy.PipelineStrategy` the
     strategy runs the pipeline instead and calls the same hooks, so both paths log the same names.
 
     Example:
@@ -294,6 +296,8 @@ class PipelineMixin:
         >>> import torch.nn.functional as F
         >>> class Regressor(PipelineMixin, L.LightningModule):
         ...     def configure_model(self):
+        ...         if getattr(self, "layers", None) is not None:
+        ...             return  # built already: Lightning calls this again in validate/test
         ...         self.layers = PipelineLayers([lambda: nn.Linear(8, 8) for _ in range(4)])
         ...     def pipeline_input(self, batch):
         ...         return batch[0]

@@ -414,6 +414,8 @@ def check_module(module: Any, *, configured: bool = True) -> None:
                 f"{name} defines no configure_model() and holds no PipelineLayers: the strategy "
                 f"builds each rank's layers inside configure_model(); add\n"
                 f"    def configure_model(self):\n"
+                f"        if getattr(self, 'layers', None) is not None:\n"
+                f"            return  # built already: Lightning calls this in every fit/validate\n"
                 f"        self.layers = PipelineLayers([lambda: Block() for _ in range(n)])"
             )
         return

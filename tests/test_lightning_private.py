@@ -183,9 +183,10 @@ def test_every_overridden_lightning_hook_carries_override():
     from lightning_pp.precision import GlobalNormClipping
     from lightning_pp.process_strategy import ProcessGroupStrategy
     from lightning_pp.strategy import PipelineStrategy
+    from lightning_pp.summary import PipelineSummary
 
     missing = []
-    for cls in (PipelineStrategy, ProcessGroupStrategy, GlobalNormClipping):
+    for cls in (PipelineStrategy, ProcessGroupStrategy, GlobalNormClipping, PipelineSummary):
         lightning_bases = [b for b in cls.__mro__ if b.__module__.startswith("lightning.")]
         for name, value in vars(cls).items():
             if name.startswith(("__", "_abc_")) or not any(
