@@ -238,7 +238,7 @@ class RunSummary(PipelineCallback):
         self._tokens = 0
         self._batch_tokens = 0
         self._first_val_step: int | None = None
-        self._dirty = False
+        self._schedule: Any = None
 
     # -- collection -------------------------------------------------------------------------
     @override
@@ -313,6 +313,7 @@ class RunSummary(PipelineCallback):
         record = self._record(trainer)
         if record is not None and not (self._window and self._window[-1][1] is record):
             self._window.append((trainer.global_step, record))
+            self._schedule = record.schedule  # the training schedule (eval records differ)
 
     def _payload(self, trainer: pl.Trainer) -> list[tuple[int, StepRecord]]:
         # Called inside the gather, possibly by another callback before this one's
@@ -363,9 +364,7 @@ class RunSummary(PipelineCallback):
         return out
 
     def _build(self, trainer: pl.Trainer) -> dict[str, Any]:
-        strategy = trainer.strategy
-        record = getattr(strategy, "last_record", None)
-        schedule = record.schedule if isinstance(record, StepRecord) else None
+        schedule = self._schedule
         losses = [(s, float(v)) for s, v in self._losses]
         steps = self._train_steps
         wall = time.perf_counter() - self._t_fit if self._t_fit else 0.0

@@ -317,26 +317,21 @@ def test_fit_trains_a_plain_user_module_in_process(tmp_path, user_module, capsys
     assert "[lightning-pp] fit" in capsys.readouterr().out
 
 
-def test_progress_bar_tokens_and_bubble_from_step_record():
+def test_progress_bar_tokens_and_pipeline_bubble():
     from types import SimpleNamespace
 
     import torch
 
-    from lightning_pp.progress import batch_tokens, last_step_bubble
-    from lightning_pp.records import StepEvent, StepRecord
-    from lightning_pp.schedules import Action, Op, build_schedule
+    from lightning_pp.progress import batch_tokens, pipeline_bubble
 
     ids = torch.zeros(4, 16, dtype=torch.long)
     assert batch_tokens((ids, ids)) == 64
     assert batch_tokens({"x": torch.zeros(3, 2)}) == 3  # no integer tensor: count samples
-    events = [
-        StepEvent(Action(Op.F, 0), start=0.0, end=1.0),
-        StepEvent(Action(Op.B, 0), start=2.0, end=4.0, comm_wait=0.5),
-    ]
-    record = StepRecord(0, 0, build_schedule("1f1b", 2, 1), t0=0.0, events=events, t1=5.0)
-    # busy = 1.0 + (2.0 - 0.5) = 2.5 of 5.0 seconds -> half the step idle
-    assert last_step_bubble(SimpleNamespace(last_record=record)) == pytest.approx(0.5)
-    assert last_step_bubble(SimpleNamespace()) is None
+    # The bar shows the pipeline's bubble (all pipeline ranks, RunSummary's window) next to the
+    # simulator's; nothing before the first measurement (never one rank's own idle share).
+    assert pipeline_bubble(SimpleNamespace(callback_metrics={})) is None
+    metrics = {"pp/bubble_window": torch.tensor(0.3), "pp/bubble_window_expected": 0.25}
+    assert pipeline_bubble(SimpleNamespace(callback_metrics=metrics)) == pytest.approx((0.3, 0.25))
 
 
 def test_plan_refuses_to_pipeline_a_model_without_layers(tmp_path, user_module, capsys):
