@@ -33,7 +33,7 @@ from benchmarks.harness import (
     machine_info,
     timed_step,
 )
-from benchmarks.peer_torch import stage_layers
+from benchmarks.peer_torch import stage_layers, torch_stage
 from benchmarks.workloads import Workload
 
 IMPLS = ("ours", "torch")
@@ -41,7 +41,10 @@ IMPLS = ("ours", "torch")
 # with the failure monitor off (abort_on_failure=False), to measure what reliability costs;
 # "ours-L<n>" is ours with recv_lookahead=n (e.g. ours-L1: receives posted just in time).
 EXTRA_IMPLS = ("ours-nomon", "ours-L1", "ours-L2", "ours-L4", "ours-L16")
-SCHEDULE_VPP = {"gpipe": 1, "1f1b": 1, "interleaved": 2}
+SCHEDULE_VPP = {"gpipe": 1, "1f1b": 1, "interleaved": 2, "zb-h1": 1, "zbv": 2, "izb": 2}
+# Schedules only one side has: torch's interleaved zero bubble (ScheduleInterleavedZeroBubble
+# with 2 stages per rank) has no lightning_pp counterpart.
+TORCH_ONLY = {"izb"}
 
 
 @dataclass(frozen=True)
@@ -77,7 +80,9 @@ def _builder(impl: str):
     raise ValueError(f"unknown implementation {impl!r}; choose from {IMPLS}")
 
 
-def chunk_activation_bytes(w: Workload, pp: int, vpp: int, rank: int, device) -> list[int]:
+def chunk_activation_bytes(
+    w: Workload, pp: int, vpp: int, rank: int, device, schedule: str = "1f1b"
+) -> list[int]:
     """Bytes autograd saves for ONE microbatch through each local chunk (the memory bound's unit).
 
     Measured with the same meter as the benchmark, on a fresh copy of the layers.
@@ -85,7 +90,7 @@ def chunk_activation_bytes(w: Workload, pp: int, vpp: int, rank: int, device) ->
     layers = w.build_layers(pp)
     out = []
     for c in range(vpp):
-        s = c * pp + rank
+        s = torch_stage(schedule, c, pp, rank)
         st = RankStats()
         chunk = Instrumented(torch.nn.Sequential(*stage_layers(layers, s, pp * vpp)), st)
         chunk.to(device)
@@ -103,16 +108,16 @@ def _worker(rank: int, world: int, device: torch.device, spec: RunSpec) -> list[
         vpp = SCHEDULE_VPP[schedule]
         runners = {}
         stats = {}
-        for impl in spec.impls:
+        impls = tuple(i for i in spec.impls if i == "torch" or schedule not in TORCH_ONLY)
+        for impl in impls:
             stats[impl] = RankStats()
             runners[impl] = _builder(impl)(w, schedule, spec.pp, vpp, m, rank, device, stats[impl])
         samples = {
-            impl: {"step_s": [], "busy": [], "fwd": [], "bwd": [], "peak": []}
-            for impl in spec.impls
+            impl: {"step_s": [], "busy": [], "fwd": [], "bwd": [], "peak": []} for impl in impls
         }
-        losses = {impl: [] for impl in spec.impls}
+        losses = {impl: [] for impl in impls}
         for rnd in range(spec.rounds):
-            order = spec.impls if rnd % 2 == 0 else tuple(reversed(spec.impls))
+            order = impls if rnd % 2 == 0 else tuple(reversed(impls))
             for impl in order:
                 step, params = runners[impl]
                 st = stats[impl]
@@ -133,11 +138,14 @@ def _worker(rank: int, world: int, device: torch.device, spec: RunSpec) -> list[
                     s["fwd"].append(st.fwd_s)
                     s["bwd"].append(st.bwd_s)
                     s["peak"].append(float(st.peak_saved_bytes))
-        for impl in spec.impls:
+        for impl in impls:
             s = samples[impl]
             # gather every rank's per-step busy/fwd/bwd/peak so rank 0 can compute bubbles
             per_rank = {k: gather_floats(s[k], device) for k in ("busy", "fwd", "bwd", "peak")}
             loss_vals = [float(v) for v in losses[impl] if v is not None]
+            # ours: mean measured compute per op kind (F, B, I, W) from the engine's records
+            op_means = _op_means(getattr(runners[impl][0], "records", []), spec.warmup)
+            op_all = gather_floats([op_means.get(k, -1.0) for k in "FBIW"], device)
             out.append(
                 {
                     "workload": w.name,
@@ -153,14 +161,25 @@ def _worker(rank: int, world: int, device: torch.device, spec: RunSpec) -> list[
                     "bwd_s": per_rank["bwd"],
                     "peak_saved_bytes": per_rank["peak"],
                     "losses": loss_vals,
+                    "op_compute_s": op_all,  # [rank][F, B, I, W]; -1: not run / not measured
                 }
             )
-        act = chunk_activation_bytes(w, spec.pp, vpp, rank, device)
+        act = chunk_activation_bytes(w, spec.pp, vpp, rank, device, schedule)
         act_all = gather_floats([float(a) for a in act], device)
-        for rec in out[-len(spec.impls) :]:
+        for rec in out[-len(impls) :]:
             rec["chunk_act_bytes"] = act_all  # [rank][chunk]
         del runners
     return out
+
+
+def _op_means(records: list, warmup: int) -> dict[str, float]:
+    """Mean compute seconds of each op kind over the measured steps' events (one action of one
+    chunk: an F, B, I or W of one microbatch)."""
+    sums: dict[str, list[float]] = {}
+    for rec in records[warmup:]:
+        for e in rec.events:
+            sums.setdefault(e.action.op.value, []).append(e.compute)
+    return {k: sum(v) / len(v) for k, v in sums.items()}
 
 
 def _call_step(step, x, y, bucket: list) -> None:

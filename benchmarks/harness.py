@@ -299,7 +299,7 @@ class Instrumented(nn.Module):
     backwards never overlap (each rank runs one action at a time), so one open interval suffices.
     """
 
-    def __init__(self, inner: nn.Module, stats: RankStats) -> None:
+    def __init__(self, inner: nn.Module, stats: RankStats, *, weight_hook: bool = True) -> None:
         super().__init__()
         self.inner = inner
         self.stats = stats
@@ -307,7 +307,11 @@ class Instrumented(nn.Module):
         params = [p for p in inner.parameters() if p.requires_grad]
         stats.params.update(p.untyped_storage().data_ptr() for p in params)
         self._hook = None
-        if params:
+        # weight_hook=False for split-backward schedules: torch's weight step runs
+        # autograd.grad, which refuses a multi-grad hook on leaves ("A leaf node was passed to
+        # _will_engine_execute_node ..."); the backward interval then closes at the input
+        # gradient only (the first stage's is not measured).
+        if params and weight_hook:
             self._hook = torch.autograd.graph.register_multi_grad_hook(
                 params, lambda grads: self._close_backward(), mode="all"
             )

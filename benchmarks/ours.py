@@ -15,12 +15,12 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_pp.engine import PipelineEngine
-from lightning_pp.partition import PipelineChunk, local_layer_indices, partition_layers
+from lightning_pp.partition import PipelineChunk, partition_layers
 from lightning_pp.schedules import build_schedule
 from lightning_pp.topology import PipelineTopology, build_process_groups
 
 from .harness import Instrumented, RankStats
-from .peer_torch import stage_layers
+from .peer_torch import stage_layers, torch_stage
 from .workloads import Workload
 
 # Both sides agree activation shapes once (torch's peer gets static metadata too).
@@ -46,19 +46,23 @@ def build_ours_step(
     ``recv_lookahead`` overrides the engine's default.
     """
     layers = workload.build_layers(pp)
-    ranges = partition_layers(len(layers), pp, vpp)
+    sched = build_schedule(schedule, pp=pp, microbatches=microbatches, vpp=vpp)
+    ranges = partition_layers(len(layers), pp, sched.vpp)
     chunks = []
-    for c, r in enumerate(local_layer_indices(ranges, rank, pp, vpp)):
+    for c, s in enumerate(sched.stages_of(rank)):  # the schedule's placement (V for zbv)
+        r = ranges[s]
         mine = [layers[i] for i in r]
         # Same cut as the peer, layer for layer: the comparison is only fair if it holds.
-        peer = stage_layers(layers, c * pp + rank, pp * vpp)
+        peer = stage_layers(layers, torch_stage(schedule, c, pp, rank), pp * vpp)
         assert all(a is b for a, b in zip(mine, peer)) and len(mine) == len(peer)
-        chunks.append(Instrumented(PipelineChunk(mine, r), stats).to(device))
+        # the same meter as the peer's (no weight hook under a split backward, see Instrumented)
+        meter = Instrumented(PipelineChunk(mine, r), stats, weight_hook=not sched.split_backward)
+        chunks.append(meter.to(device))
     topo = PipelineTopology.from_world(dist.get_world_size(), rank, pp=pp)
     groups = build_process_groups(topo)
     engine = PipelineEngine(
         chunks,
-        build_schedule(schedule, pp=pp, microbatches=microbatches, vpp=vpp),
+        sched,
         topo,
         groups,
         loss_fn=lambda out, mb: Workload.loss_fn(out, mb[1]),
@@ -68,11 +72,14 @@ def build_ours_step(
         recv_lookahead=recv_lookahead,
     )
     params = [p for c in chunks for p in c.parameters()]
-    is_last = rank == pp - 1
+    is_last = rank == sched.locate(sched.num_stages - 1)[0]
+    records: list = []  # the engine's step records (measured per-action compute: t_i, t_w)
 
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
-        loss = engine.train_step((x, y)).loss
-        return loss if is_last else None
+        result = engine.train_step((x, y))
+        records.append(result.record)
+        return result.loss if is_last else None
 
     step.engine = engine  # type: ignore[attr-defined]  # for profiling scripts
+    step.records = records  # type: ignore[attr-defined]
     return step, params

@@ -3,7 +3,10 @@
 Each rank builds the virtual stages ``chunk * pp + rank`` (loop placement, as lightning_pp
 does), wraps each in :class:`~benchmarks.harness.Instrumented`, and drives torch's own schedule:
 ``ScheduleGPipe`` / ``Schedule1F1B`` (one stage per rank) or ``ScheduleInterleaved1F1B``
-(``vpp`` stages per rank). Shapes are given up front (static metadata), torch's fastest path.
+(``vpp`` stages per rank), ``ScheduleInterleavedZeroBubble`` (``"zb-h1"`` with one stage per
+rank, ``"izb"`` with ``vpp``) and ``ScheduleZBVZeroBubble`` (``"zbv"``: V placement, rank r
+holds stages r and 2p-1-r, as lightning_pp's zbv). Shapes are given up front (static
+metadata), torch's fastest path.
 
 Example (inside an initialised process group of ``pp`` ranks):
     >>> step = build_torch_step(workload, "1f1b", pp, 1, m, rank, device, stats)  # doctest: +SKIP
@@ -21,6 +24,8 @@ from torch.distributed.pipelining import (
     Schedule1F1B,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
 )
 
 from .harness import Instrumented, RankStats
@@ -33,6 +38,13 @@ def stage_layers(layers: list[nn.Module], stage: int, num_stages: int) -> list[n
         raise ValueError(f"{len(layers)} layers do not split evenly into {num_stages} stages")
     k = len(layers) // num_stages
     return layers[stage * k : (stage + 1) * k]
+
+
+def torch_stage(schedule: str, chunk: int, pp: int, rank: int) -> int:
+    """The virtual stage of local chunk ``chunk``: V placement for zbv, loop otherwise."""
+    if schedule == "zbv":
+        return rank if chunk == 0 else 2 * pp - 1 - rank
+    return chunk * pp + rank
 
 
 def build_torch_step(
@@ -58,9 +70,12 @@ def build_torch_step(
     mid_in = torch.zeros(mb_shape, device=device, requires_grad=True)
     out_meta = torch.zeros(mb_shape, device=device, requires_grad=True)
     stages, params = [], []
+    split = schedule in ("zb-h1", "izb", "zbv")
     for chunk in range(vpp):
-        s = chunk * pp + rank
-        module = Instrumented(nn.Sequential(*stage_layers(layers, s, num_stages)), stats)
+        s = torch_stage(schedule, chunk, pp, rank)
+        module = Instrumented(
+            nn.Sequential(*stage_layers(layers, s, num_stages)), stats, weight_hook=not split
+        )
         module.to(device)
         params += list(module.parameters())
         stages.append(
@@ -76,6 +91,10 @@ def build_torch_step(
     loss_fn = Workload.loss_fn
     if schedule == "interleaved":
         sched = ScheduleInterleaved1F1B(stages, microbatches, loss_fn=loss_fn)
+    elif schedule in ("zb-h1", "izb"):
+        sched = ScheduleInterleavedZeroBubble(stages, microbatches, loss_fn=loss_fn)
+    elif schedule == "zbv":
+        sched = ScheduleZBVZeroBubble(stages, microbatches, loss_fn=loss_fn)
     elif schedule == "1f1b":
         sched = Schedule1F1B(stages[0], microbatches, loss_fn=loss_fn)
     elif schedule == "gpipe":
@@ -83,7 +102,8 @@ def build_torch_step(
     else:
         raise ValueError(f"torch peer has no schedule {schedule!r}")
     has_first = rank == 0
-    has_last = rank == pp - 1  # the last virtual stage (vpp-1)*pp + pp-1 lives on rank pp-1
+    # the last virtual stage lives on rank pp-1 (loop placement) or rank 0 (V placement)
+    has_last = rank == (0 if schedule == "zbv" else pp - 1)
 
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
         losses: list[torch.Tensor] = []

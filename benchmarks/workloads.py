@@ -71,6 +71,10 @@ class Workload:
     seq: int = 64
     mb_size: int = 4
     seed: int = 1234
+    #: sleep: split each layer's backward into an input-gradient (``t_i``) and a weight-gradient
+    #: (``t_w``) autograd node (rank share, like ``t_f``); ``t_b`` is then ``t_i + t_w``
+    t_i: float | None = None
+    t_w: float | None = None
 
     def __post_init__(self) -> None:
         if self.name not in ("sleep", "transformer"):
@@ -81,7 +85,11 @@ class Workload:
         torch.manual_seed(self.seed)
         n = self.layers_per_rank * pp
         if self.name == "sleep":
-            tf, tb = self.t_f / self.layers_per_rank, self.t_b / self.layers_per_rank
+            k = self.layers_per_rank
+            tf, tb = self.t_f / k, self.t_b / k
+            if self.t_i is not None and self.t_w is not None:
+                ti, tw = self.t_i / k, self.t_w / k
+                return [SleepLayer(self.width, tf, t_i=ti, t_w=tw) for _ in range(n)]
             return [SleepLayer(self.width, tf, tb) for _ in range(n)]
         return [Block(self.dim, self.heads) for _ in range(n)]
 
@@ -104,7 +112,12 @@ class Workload:
 
     def flops_note(self) -> str:
         if self.name == "sleep":
-            return f"sleep t_f={self.t_f * 1e3:g} ms t_b={self.t_b * 1e3:g} ms per rank"
+            split = (
+                f" (t_i={self.t_i * 1e3:g} ms t_w={self.t_w * 1e3:g} ms)"
+                if self.t_i is not None and self.t_w is not None
+                else ""
+            )
+            return f"sleep t_f={self.t_f * 1e3:g} ms t_b={self.t_b * 1e3:g} ms{split} per rank"
         params = 12 * self.dim * self.dim
         return (
             f"transformer dim={self.dim} heads={self.heads} seq={self.seq} "

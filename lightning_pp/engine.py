@@ -4,7 +4,8 @@ The executor is one loop over this rank's action list. Around each action it:
 
 1. waits for the receives the action needs (posted at the end of an earlier action),
 2. computes (F: forward through one local chunk; B: backward of the OLDEST stashed forward of
-   that chunk),
+   that chunk; I: its input gradient only, W: later, its weight gradients; see
+   :mod:`lightning_pp.split_backward`),
 3. posts the action's sends TOGETHER with the receives of the next action, and of later ones up
    to ``recv_lookahead`` ahead, in one batched call.
 
@@ -117,7 +118,8 @@ class PipelineEngine:
         release_outputs: drop the storage of sent outputs from the stash (only ``grad_fn`` is
             needed for backward) - Megatron's ``deallocate_output_tensor``.
         on_chunk_grads_ready: ``hook(chunk)`` right after the LAST backward of each local chunk in
-            a step (deferred data-parallel gradient sync).
+            a step: its last ``B``, or its last ``W`` under a split backward (deferred
+            data-parallel gradient sync).
         device: where receive buffers live; default: the first chunk's parameter device.
         static_shapes: agree activation shapes once (see :mod:`lightning_pp.p2p`).
         measure_memory: record bytes saved for backward (``saved_tensors_hooks``; small cost).

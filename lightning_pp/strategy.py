@@ -91,8 +91,9 @@ class PipelineStrategy(ProcessGroupStrategy):
         vpp: chunks per rank (virtual pipeline size). ``vpp > 1`` interleaves.
         microbatches: microbatches per batch; default ``pp`` (the smallest count that fills the
             pipeline; raise it to shrink the bubble ``(pp - 1) / (vpp * m)``).
-        schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved"``; default ``"1f1b"`` when
-            ``vpp == 1`` and ``"interleaved"`` otherwise.
+        schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved"``, or the zero-bubble ``"zb-h1"``
+            (vpp 1) and ``"zbv"`` (2 chunks per rank in V placement whatever vpp says when it is
+            unset); default ``"1f1b"`` when ``vpp == 1`` and ``"interleaved"`` otherwise.
         partition: ``"uniform"``, ``"parameters"``, ``"cost"`` or a list of per-stage layer counts.
         group_size: interleaved schedule's microbatch group size (default ``pp``).
         release_outputs: free a sent activation's storage (only its autograd graph is kept).
