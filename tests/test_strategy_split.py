@@ -14,7 +14,6 @@ import json
 import math
 import os
 import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -33,6 +32,7 @@ from split_common import CausalLM, run_reference  # noqa: E402
 
 from lightning_pp.autosplit import meta_build  # noqa: E402
 from lightning_pp.checkpoint import consolidate_checkpoint  # noqa: E402
+from lightning_pp.cli import main as cli_main  # noqa: E402
 
 REL_TOL = 1e-5
 # One torchrun job (5 configurations, 4 processes) plus 4 plain references: about 2 minutes on
@@ -184,9 +184,8 @@ def test_consolidated_checkpoint_loads_into_the_plain_model(runs, references, cf
 def test_consolidate_cli_writes_the_hf_state_dict(runs, tmp_path):
     out, _ = runs
     target = tmp_path / "gpt2.pt"
-    cmd = [sys.executable, "-m", "lightning_pp.cli", "consolidate"]
-    cmd += [str(out / "ckpt_gpt2_pp4"), str(target), "--submodule", "model"]
-    subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, timeout=120)
+    args = ["consolidate", str(out / "ckpt_gpt2_pp4"), str(target), "--submodule", "model"]
+    assert cli_main(args) == 0
     plain = model_fn("gpt2")[0]()
     plain.load_state_dict(torch.load(target, weights_only=True), strict=True)
 
