@@ -362,6 +362,7 @@ class P2PCommunicator:
             # collective first makes communicator creation collective and deterministic.
             probe = torch.zeros(1, device=self.device)
             work = self._collective(lambda: dist.all_reduce(probe, group=group, async_op=True))
+            assert work is not None  # async_op=True always returns a work
             # Ranks reach this point seconds apart (model building, data loading, a previous
             # job's teardown): a short step watchdog must not fire here, only a real hang.
             self._wait(
