@@ -156,6 +156,7 @@ def subprocess_script_launcher(
     """
     from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
     from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
 
     from .processes import ChildSupervisor
 
@@ -171,6 +172,10 @@ def subprocess_script_launcher(
             _set_num_threads_if_needed(num_processes=self.num_processes)
             try:
                 return function(*args, **kwargs)
+            except SIGTERMException:
+                # Every rank stops together and saves (the strategy's on_exception, which
+                # Lightning calls after this returns): the children must not be killed now.
+                raise
             except BaseException:
                 if supervisor is not None:
                     supervisor.end_children()  # nothing outlives a failed launcher

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import logging
 import pickle
+import signal
+import threading
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any, Literal
@@ -106,6 +108,7 @@ class ProcessGroupStrategy(ParallelStrategy):
         self.watchdog_timeout: float | None = DEFAULT_WATCHDOG_TIMEOUT
         self._watcher: ProcessWatcher | None = None
         self._collectives: FailureMonitor | None = None
+        self._sigterm_received = False
 
     @property
     def is_distributed(self) -> bool:
@@ -297,6 +300,34 @@ class ProcessGroupStrategy(ParallelStrategy):
         return torch.stack(out)
 
     # ------------------------------------------------------------------ SIGTERM, teardown
+    # Lightning's SIGTERM handling stops each rank where its *own* flag is first checked (after
+    # the batch in which the signal arrived), so ranks signalled a moment apart stop at
+    # different points, and a collective save then hangs. Here the handler only records the
+    # signal (and forwards it to the launched children, as Lightning's does); every rank
+    # decides at the start of each training batch, with one small all_reduce, whether any rank
+    # was signalled, and all stop there together.
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        self._sigterm_received = False
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._on_sigterm_signal)  # Lightning restores its own
+
+    def _on_sigterm_signal(self, signum: int, frame: Any) -> None:
+        if not self._sigterm_received and self.launcher is not None:
+            self.launcher.kill(signum)  # the children this process launched, if any
+        self._sigterm_received = True
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        stop = self._sigterm_received
+        if self.world_size > 1 and compat.distributed_is_initialized():
+            flag = torch.tensor([int(stop)], device=self._comm_device())
+            stop = bool(self.all_reduce(flag, op=dist.ReduceOp.MAX, what="the SIGTERM flag").item())
+        if stop:
+            raise SIGTERMException()
+
     @override
     def on_exception(self, exception: BaseException) -> None:
         if isinstance(exception, SIGTERMException):

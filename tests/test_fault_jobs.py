@@ -85,15 +85,19 @@ class Job:
             time.sleep(0.2)
         pytest.fail(f"the job did not start training in {START_TIMEOUT}s:\n{self.output()[-6000:]}")
 
-    def wait_gone(self, pids: list[int], within: float) -> float | None:
-        """Seconds until the leaders exited and ``pids`` are gone; ``None`` past ``within``."""
+    def wait_gone(self, pids: list[int], within: float) -> tuple[float | None, float | None]:
+        """Seconds until ``pids`` (the ranks) were gone and until the leaders (launchers) had
+        exited; ``None`` for what was still there after ``within``."""
         t0 = time.monotonic()
-        while time.monotonic() - t0 < within:
-            leaders_done = all(p.poll() is not None for p in self.procs)
-            if leaders_done and not any(_alive(pid) for pid in pids):
-                return time.monotonic() - t0
+        ranks = leaders = None
+        while time.monotonic() - t0 < within and (ranks is None or leaders is None):
+            now = time.monotonic() - t0
+            if ranks is None and not any(_alive(pid) for pid in pids):
+                ranks = now
+            if leaders is None and all(p.poll() is not None for p in self.procs):
+                leaders = now
             time.sleep(0.05)
-        return None
+        return ranks, leaders
 
     def kill(self) -> None:
         for p in self.procs:
@@ -142,15 +146,15 @@ def test_a_killed_or_stopped_rank_ends_the_job_and_is_named(job, launcher, sig, 
     (_launch_lightning if launcher == "lightning" else _launch_torchrun)(job, world)
     pids = job.ready(world)
     os.kill(pids[victim], sig)
-    seconds = job.wait_gone(list(pids.values()), within=WATCHDOG + 10)
+    ranks, leaders = job.wait_gone(list(pids.values()), within=WATCHDOG + 10)
     out = job.output()
-    if seconds is None:
+    print(f"{launcher} {sig.name}: ranks gone after {ranks}s, launchers after {leaders}s")
+    if ranks is None or leaders is None:
         left = [r for r, pid in pids.items() if _alive(pid)]
         pytest.fail(
-            f"{launcher}: ranks {left} (of pids {pids}) or a launcher still ran "
-            f"{WATCHDOG + 10:g}s after {sig.name} of rank {victim}:\n{out[-6000:]}"
+            f"{launcher}: ranks {left} (of pids {pids}) or a launcher (gone after {leaders}s) "
+            f"still ran {WATCHDOG + 10:g}s after {sig.name} of rank {victim}:\n{out[-6000:]}"
         )
-    print(f"{launcher} {sig.name}: every process gone {seconds:.1f}s after the signal")
     codes = [p.returncode for p in job.procs]
     assert all(c != 0 for c in codes), (codes, out[-6000:])
     host = socket.gethostname()

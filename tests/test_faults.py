@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import time
+from datetime import timedelta
 
 import pytest
 import torch
@@ -450,3 +451,86 @@ def test_trainer_job_ends_when_a_callback_raises_on_one_rank(tmp_path):
         "because rank 1 failed first [rank 1: Lightning hook or step: Injected]" in ln
         for ln in aborted
     )
+
+
+# ---- collectives outside the pipeline: data-parallel, tied weights, Lightning's -----------------
+
+# broadcast last: its source stops after the size message, the others then wait for the payload
+COLLECTIVE_CASES = ["dp_grad", "tied", "barrier", "reduce", "abort", "broadcast"]
+SLEEP = 5.0  # rank 1 is stuck in user code this long before each collective
+COLLECTIVE_WATCHDOG = 1.0
+
+
+def _collective(kind, rank, group, world_size):
+    from lightning_pp.grad_sync import DeferredGradSync, TiedGroup, TiedParameterSync
+    from lightning_pp.process_strategy import ProcessGroupStrategy
+
+    p = nn.Parameter(torch.ones(4))
+    p.grad = torch.ones(4)
+    strategy = ProcessGroupStrategy()
+    if kind == "dp_grad":
+        sync = DeferredGradSync([[p]], group, world_size)
+        sync.on_chunk_grads_ready(0)
+        sync.wait()
+    elif kind == "tied":
+        tied = TiedGroup(("layers.0.weight",), p, 0, list(range(world_size)), group)
+        TiedParameterSync([tied]).all_reduce_grads()
+    elif kind == "barrier":
+        strategy.barrier("on_train_batch_end")
+    elif kind == "broadcast":
+        strategy.broadcast({"path": "x"}, src=0)
+    else:
+        strategy.reduce(torch.ones(1), reduce_op="mean")
+
+
+def _collective_worker(rank, world_size, cases):
+    import lightning_pp.process_strategy  # noqa: F401  (imported before any timing: slow)
+    from lightning_pp.failure import set_collective_monitor
+
+    base = dist.distributed_c10d._get_default_store()
+    out = []
+    for i, kind in enumerate(cases):
+        store = dist.PrefixStore(f"collective{i}", base)
+        set_collective_monitor(
+            FailureMonitor(
+                store, rank, watchdog_timeout=COLLECTIVE_WATCHDOG, pipeline_ranks=range(world_size)
+            )
+        )
+        group = dist.new_group(list(range(world_size)))
+        if rank == 1:
+            time.sleep(SLEEP)  # stuck in user code; joins the collective afterwards
+        if kind == "abort" and rank == 2:
+            report_failure(store, 2, "on_validation_end", InjectedFault("boom"))
+        t0 = time.monotonic()
+        try:
+            _collective(kind, rank, group, world_size)
+            out.append(("finished", "", time.monotonic() - t0))
+        except Exception as e:
+            out.append((type(e).__name__, str(e), time.monotonic() - t0))
+        # the abandoned works complete once rank 1 has joined: line up before the next case
+        base.set(f"collective{i}/done/{rank}", "1")
+        keys = [f"collective{i}/done/{r}" for r in range(world_size)]
+        base.wait(keys, timedelta(seconds=120))
+    return out
+
+
+def test_collectives_outside_the_pipeline_are_watched():
+    results = run_distributed(_collective_worker, WORLD, COLLECTIVE_CASES, timeout=240, grace=GRACE)
+    what = {
+        "dp_grad": "in the data-parallel gradient all_reduce (bucket 0, 4 values)",
+        "tied": "in the tied-gradient all_reduce of layers.0.weight",
+        "barrier": "in barrier 'on_train_batch_end'",
+        "broadcast": "in broadcast from rank 0",
+        "reduce": "in all_reduce of a value reduced with 'mean'",
+    }
+    for i, kind in enumerate(COLLECTIVE_CASES):
+        got, text, seconds = results[0][i]
+        # ends long before the stuck rank returns (before: it waited the whole SLEEP)
+        assert seconds < SLEEP - 1, (kind, got, seconds, text)
+        if kind == "abort":
+            assert got == "PipelineAborted", (kind, got, text)
+            assert "because rank 2 failed first [rank 2: on_validation_end: InjectedFault]" in text
+            continue
+        assert got == "PipelineHang", (kind, got, text)
+        assert "rank 0: watchdog: blocked" in text and what[kind] in text, (kind, text)
+        assert "the other ranks of this" in text and "  rank 1" in text, text
