@@ -138,7 +138,14 @@ def progress_items(
         items["tok/s"] = f"{rate:,.0f}"
     bubble = pipeline_bubble(trainer)
     if bubble is not None:
-        items["pipeline bubble"] = f"{bubble[0]:.0%} (simulated {bubble[1]:.0%})"
+        # The label says what the number is: not one rank's idle share, not one step.
+        from .summary import BUBBLE_STEPS_KEY
+
+        steps = trainer.callback_metrics.get(BUBBLE_STEPS_KEY)
+        over = f", last {int(steps)} steps" if steps is not None else ""
+        items["pipeline bubble"] = (
+            f"{bubble[0]:.0%} vs simulated {bubble[1]:.0%} (idle/compute, all ranks{over})"
+        )
     return items
 
 

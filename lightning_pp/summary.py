@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from .callbacks.analysis import BubbleStats, bubble_stats, split_pipelines
@@ -47,12 +48,22 @@ from .callbacks.gather import register_extra, unregister_extra
 from .records import StepRecord
 from .schedules import render_grid, simulate
 
-__all__ = ["BUBBLE_KEY", "BUBBLE_EXPECTED_KEY", "RunSummary", "WindowBubble", "window_bubble"]
+__all__ = [
+    "BUBBLE_EXPECTED_KEY",
+    "BUBBLE_KEY",
+    "BUBBLE_STEPS_KEY",
+    "RunSummary",
+    "WindowBubble",
+    "format_summary",
+    "window_bubble",
+    "write_loss_curve",
+]
 
 #: Logged at every measurement: the pipeline bubble over the window of steps since the last one,
 #: and the simulator's expectation for the same steps (see :func:`window_bubble`).
 BUBBLE_KEY = "pp/bubble_window"
 BUBBLE_EXPECTED_KEY = "pp/bubble_window_expected"
+BUBBLE_STEPS_KEY = "pp/bubble_window_steps"
 
 _EXTRA = "run_summary_window"
 
@@ -303,7 +314,11 @@ class RunSummary(PipelineCallback):
             return
         self._last_window = window
         self._total.add(window)
-        metrics = {BUBBLE_KEY: window.bubble, BUBBLE_EXPECTED_KEY: window.expected}
+        metrics = {
+            BUBBLE_KEY: window.bubble,
+            BUBBLE_EXPECTED_KEY: window.expected,
+            BUBBLE_STEPS_KEY: window.steps,
+        }
         self._log(trainer, pl_module, metrics)
         # Rank 0 computed while the others waited: the next step starts level again.
         self._t_last = time.perf_counter()
@@ -338,9 +353,16 @@ class RunSummary(PipelineCallback):
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not trainer.is_global_zero:
             return
-        self.summary = self._build(trainer)
-        self.text = format_summary(self.summary)
-        self._write(trainer)
+        try:
+            self.summary = self._build(trainer)
+            self.text = format_summary(self.summary)
+            self._write(trainer)
+        except Exception as err:  # a report must not turn a finished training into a failure
+            rank_zero_warn(
+                f"rank 0: could not build the run summary after step {trainer.global_step} "
+                f"({type(err).__name__}: {err}); training itself finished normally"
+            )
+            return
         if self.print_summary:
             print(self.text, flush=True)
 
