@@ -153,7 +153,7 @@ def test_batch_smaller_than_microbatches():
         engine.train_step(mlp_batch(0, 3))
 
 
-def test_recv_lookahead_is_validated_and_resolved(monkeypatch):
+def test_recv_lookahead_is_validated_and_resolved():
     from types import SimpleNamespace
 
     import lightning_pp.engine as engine_mod
@@ -168,6 +168,5 @@ def test_recv_lookahead_is_validated_and_resolved(monkeypatch):
     resolve = engine_mod.PipelineEngine._resolve_lookahead
     fake = SimpleNamespace(pp=2)
     for backend, want in (("nccl", 1), ("gloo", engine_mod.GLOO_RECV_LOOKAHEAD)):
-        monkeypatch.setattr(engine_mod.dist, "get_backend", lambda group, b=backend: b)
-        assert resolve(fake, None, object()) == want
-        assert resolve(fake, 3, object()) == 3
+        assert resolve(fake, None, backend) == want
+        assert resolve(fake, 3, backend) == 3

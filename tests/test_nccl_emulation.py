@@ -136,7 +136,8 @@ def _fresh(topo: PipelineTopology, name: str, watchdog: float):
         if topo.rank in ranks:
             pp_group = g
     groups = ProcessGroups(topology=topo, pp_group=pp_group, dp_group=None)
-    store = dist.PrefixStore(name, dist.distributed_c10d._get_default_store())
+    # one namespace per pipeline: the two pp=2 pipelines of the world fail independently
+    store = dist.PrefixStore(f"{name}-dp{topo.dp_rank}", dist.distributed_c10d._get_default_store())
     monitor = FailureMonitor(
         store,
         topo.rank,
