@@ -69,7 +69,9 @@ def _rel(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-@pytest.mark.parametrize("name", MODELS)
+# Llama (untied and tied) gets the same per-parameter gradient check on gloo in
+# tests/test_autosplit_engine.py; Qwen2 and the tied models run here, in one process.
+@pytest.mark.parametrize("name", [m for m in MODELS if not m.startswith("llama")])
 def test_init_keys_share_and_gradients(name):
     plain, staged, step = _build_all(name, 4)
     ref = dict(plain.named_parameters(remove_duplicate=False))
