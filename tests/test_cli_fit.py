@@ -208,8 +208,11 @@ def test_fit_single_launcher_and_torchrun_two_nodes_give_same_losses(tmp_path):
 
 
 @pytest.mark.parametrize("config", sorted(p.name for p in (REPO / "configs").glob("*.yaml")))
-def test_every_shipped_config_plans(config, capsys):
+def test_every_shipped_config_plans(config, capsys, monkeypatch):
     from lightning_pp.cli import main
+
+    # configs/finetune_hf_cpu.yaml names a module of examples/ (run with PYTHONPATH=examples)
+    monkeypatch.syspath_prepend(str(REPO / "examples"))
 
     assert main(["plan", str(REPO / "configs" / config)]) == 0, capsys.readouterr().err
     assert "is valid (nothing was trained or allocated)" in capsys.readouterr().out

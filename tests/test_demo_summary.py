@@ -8,6 +8,7 @@ Not a timing test: the run is tiny; only files and lines are checked. The helper
 from __future__ import annotations
 
 import json
+import re
 import struct
 import sys
 from pathlib import Path
@@ -61,7 +62,8 @@ def test_demo_at_toy_size_ends_with_validation_summary_and_pngs(tmp_path):
 
     # Redirected output: plain lines, at most one progress line per logging interval (3 steps)
     assert "\r" not in out, "carriage-return progress frames in a redirected log"
-    progress = [line for line in out.splitlines() if line.startswith("step ")]
+    # (the summary's own "step time ..." line is not a progress line)
+    progress = [line for line in out.splitlines() if re.match(r"step \d+/\d+ ", line)]
     assert [line.split()[1] for line in progress] == ["3/9", "6/9", "9/9"], progress
     assert "pipeline bubble" in progress[-1] and "tok/s" in progress[-1]
 
