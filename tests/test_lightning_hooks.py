@@ -237,7 +237,7 @@ def test_rebuilt_layers_match_only_the_same_model():
 def test_merged_summary_counts_tied_copies_once():
     from lightning.pytorch.utilities.model_summary import get_human_readable_count
 
-    from lightning_pp.summary import StageSummary, merge_summaries
+    from lightning_pp.model_summary import StageSummary, merge_summaries
 
     def stage(label, params, tied):
         return StageSummary(
@@ -257,7 +257,7 @@ def test_merged_summary_counts_tied_copies_once():
 def test_pipeline_summary_keeps_the_callback_class_and_restores_it():
     from lightning.pytorch.callbacks import ModelSummary
 
-    from lightning_pp.summary import (
+    from lightning_pp.model_summary import (
         PipelineSummary,
         StageInfo,
         restore_summaries,

@@ -180,10 +180,10 @@ def test_every_overridden_lightning_hook_carries_override():
     """A renamed Lightning hook must fail loudly in type checking, not be silently never called."""
     import inspect
 
+    from lightning_pp.model_summary import PipelineSummary
     from lightning_pp.precision import GlobalNormClipping
     from lightning_pp.process_strategy import ProcessGroupStrategy
     from lightning_pp.strategy import PipelineStrategy
-    from lightning_pp.summary import PipelineSummary
 
     missing = []
     for cls in (PipelineStrategy, ProcessGroupStrategy, GlobalNormClipping, PipelineSummary):
