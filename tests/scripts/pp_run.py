@@ -39,14 +39,15 @@ from lightning_pp import PipelineStrategy  # noqa: E402
 from lightning_pp.models import GPT  # noqa: E402
 from lightning_pp.schedules import Op  # noqa: E402
 
-# Count every asynchronous all-reduce (the data-parallel gradient buckets are the only ones).
+# Count every asynchronous all-reduce; the probe keeps those on the data-parallel group (the
+# gradient buckets). Others are not DP traffic: e.g. the per-batch SIGTERM vote on the world.
 _CALLS: list[dict] = []
 _real_all_reduce = dist.all_reduce
 
 
 def _counting_all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
     if async_op:
-        _CALLS.append({"t": time.perf_counter(), "numel": tensor.numel()})
+        _CALLS.append({"t": time.perf_counter(), "numel": tensor.numel(), "group": group})
     return _real_all_reduce(tensor, op=op, group=group, async_op=async_op)
 
 
@@ -73,13 +74,13 @@ class SyncProbe(Callback):
             last_b[e.action.chunk] = {"start": e.start, "end": e.end}
         self.steps.append(
             {
-                "calls": len(_CALLS),
+                "calls": sum(c["group"] is s.groups.dp_group for c in _CALLS),
                 "buckets": s.grad_sync.num_buckets,
                 "launches": [
                     {"chunk": ev.chunk, "t": ev.time, "numel": ev.numel}
                     for ev in s.grad_sync.events
                 ],
-                "call_numels": [c["numel"] for c in _CALLS],
+                "call_numels": [c["numel"] for c in _CALLS if c["group"] is s.groups.dp_group],
                 "last_b": {str(k): v for k, v in last_b.items()},
                 "last_backward_start": max((e.start for e in backs), default=None),
             }
