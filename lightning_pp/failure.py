@@ -38,6 +38,7 @@ import atexit
 import json
 import os
 import queue
+import signal
 import socket
 import sys
 import threading
@@ -373,6 +374,13 @@ class FailureMonitor:
                     raise self._aborted_error(origin, _text(what))
                 if limit is not None and now - t0 > limit:
                     self._broken = not self.poll_works
+                    # The peer may be the cause rather than a fellow victim: a stopped process
+                    # (SIGSTOP), a lost node. Its heartbeat watchdog runs on the same limit, so
+                    # which fires first is a race; blame the vanished rank, not this one.
+                    self._blame_vanished(peer, ranks)
+                    origin = self.aborted()
+                    if origin is not None and origin.get("rank") != self.rank:
+                        raise self._aborted_error(origin, _text(what))
                     raise self._hang_error(_text(what), now - t0, peer, ranks)
                 next_check = now + self.poll_interval
             if self.poll_works:
@@ -414,13 +422,20 @@ class FailureMonitor:
         if origin is None:
             time.sleep(self.poll_interval)  # the origin writes before its sockets close
             origin = self.aborted()
-        watcher = current_watcher()
-        if origin is None and watcher is not None:
-            suspects = [r for r in [peer, *(ranks or self.pipeline_ranks)] if r is not None]
-            watcher.find_vanished(suspects or None)
+        if origin is None:
+            self._blame_vanished(peer, ranks)
             origin = self.aborted()  # this rank's finding, or another rank's (first wins)
         if origin is not None and origin.get("rank") != self.rank:
             raise self._aborted_error(origin, what) from error
+
+    def _blame_vanished(self, peer: int | None, ranks: Sequence[int] | None) -> None:
+        """Ask the heartbeat watcher whether the peer or a rank of the group is gone (killed,
+        stopped, lost) and, if so, publish it as the origin of the failure."""
+        watcher = current_watcher()
+        if watcher is None:
+            return
+        suspects = [r for r in [peer, *(ranks or self.pipeline_ranks)] if r is not None]
+        watcher.find_vanished(suspects or None)
 
     def _hang_error(
         self, what: str, waited: float, peer: int | None, ranks: Sequence[int] | None = None
@@ -536,6 +551,9 @@ _STATE_WORDS = {
     "Z": "dead (a zombie)",
     None: "gone",
 }
+
+
+_STOPPED = ("T", "t")  # cannot react to any signal but SIGKILL until continued
 
 
 def _pid_namespace() -> str:
@@ -732,8 +750,15 @@ class ProcessWatcher:
                 # A killed process closes its sockets while it exits, a moment before the
                 # process table shows it gone: look again until the deadline.
                 for r, value in local.items():
-                    if _process_state(int(value.get("pid", -1))) in (None, "Z"):
+                    state = _process_state(int(value.get("pid", -1)))
+                    if state in (None, "Z"):
                         return self._declare(r, value, _KILLED)
+                    if state in _STOPPED:
+                        return self._declare(
+                            r,
+                            value,
+                            f"stopped sending heartbeats: its process is {_STATE_WORDS[state]}",
+                        )
                 if time.monotonic() >= deadline:
                     break
                 time.sleep(0.05)
@@ -756,6 +781,7 @@ class ProcessWatcher:
                 self._abort_seen = now
             mine = origin.get("rank") == self.rank
             grace = self.exit_grace * (3 if mine else 1)
+            self._kill_stopped_peers()
             if now - self._abort_seen > grace:
                 self._give_up(origin, now - self._abort_seen)
             return
@@ -780,6 +806,21 @@ class ProcessWatcher:
                 )
                 return
 
+    def _kill_stopped_peers(self) -> None:
+        """The job has failed: end every stopped process of it on this host. A stopped process
+        cannot act on the SIGTERM its launcher sends; left alone it would keep torchrun or
+        Lightning's launcher waiting (torchrun SIGKILLs only after 30 s) or outlive the job."""
+        beats = self._read([r for r in range(self.world_size) if r != self.rank])
+        for _, value in beats.values():
+            if value.get("done") or not self._local(value):
+                continue
+            pid = int(value.get("pid", -1))
+            if _process_state(pid) in _STOPPED:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+
     def _declare(self, rank: int, value: dict, reason: str) -> bool:
         """Publish ``rank`` as the origin of the failure; kill it if it is a stuck local process.
         True if this call published it (False: some rank had already failed)."""
@@ -791,7 +832,7 @@ class ProcessWatcher:
         if self._local(value) and _process_state(int(pid)) not in (None, "Z"):
             # A stopped or wedged process cannot act on SIGTERM; the job is over for it.
             try:
-                os.kill(int(pid), 9)
+                os.kill(int(pid), signal.SIGKILL)
             except (OSError, ValueError):
                 pass
         return first
