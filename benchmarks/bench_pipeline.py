@@ -212,9 +212,10 @@ def run(
         load_before = machine_info()["loadavg"]
         per_rank = launch(_worker, pp, spec, device=device, timeout=timeout)
         load_after = machine_info()["loadavg"]
-        # Rank 0's list holds the gathered per-rank data; take losses from the last rank.
-        for rec0, rec_last in zip(per_rank[0], per_rank[-1]):
-            rec0["losses"] = rec_last["losses"]
+        # Rank 0's list holds the gathered per-rank data; the losses come from the rank that
+        # holds the last stage: the last rank, except under zbv's V placement (rank 0).
+        for rec0, *others in zip(per_rank[0], *per_rank[1:]):
+            rec0["losses"] = next((r["losses"] for r in (*others, rec0) if r["losses"]), [])
             rec0["device"] = device
             rec0["workload_desc"] = workload.flops_note()
             rec0["t_f"], rec0["t_b"] = workload.t_f, workload.t_b
