@@ -5,6 +5,10 @@ Glue only: it decides *when* Lightning's hooks run and hands the work to its col
 
     PipelineStrategy -> PipelinePlan    every default and validity rule, with its message
                      -> LayerPlacement  which rank holds which layers and tied weights
+                     -> LayerBuild      builds and stages this rank's layers (stage_build;
+                                        SplitPipeline for split=)
+                     -> engine_build    the engine from the settings and the module's hooks
+                     -> eval_step       validation, test and predict: one forward-only path
                      -> compat          every private Lightning contact (_lightning_compat)
                      -> precision       clipping by the global norm, as a plugin subclass
                      -> checkpoint      sharded save / load bodies
