@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback, ModelSummary
@@ -32,6 +32,9 @@ from lightning.pytorch.utilities.model_summary import get_human_readable_count, 
 from typing_extensions import override
 
 from . import _lightning_compat as compat
+
+if TYPE_CHECKING:
+    from .strategy import PipelineStrategy
 
 __all__ = [
     "PipelineSummary",
@@ -41,6 +44,7 @@ __all__ = [
     "restore_summaries",
     "stage_summary",
     "use_pipeline_summaries",
+    "use_stage_summaries",
     "with_pipeline_summary",
 ]
 
@@ -168,6 +172,26 @@ def use_pipeline_summaries(
     for i, callback in enumerate(callbacks):
         if isinstance(callback, ModelSummary):
             callbacks[i] = with_pipeline_summary(callback, gather, info)
+
+
+def use_stage_summaries(strategy: PipelineStrategy, callbacks: list[Callback]) -> None:
+    """:func:`use_pipeline_summaries` for ``strategy`` (at fit start): this rank's line names
+    its virtual stages and the size of its tied copies; the summaries are gathered over its
+    pipeline group."""
+    plan, topo, groups = strategy.plan, strategy.topology, strategy.groups
+    assert plan is not None and topo is not None and groups is not None
+    stages = plan.schedule.stages_of(topo.pp_rank)
+    copies = strategy.tied_sync.non_owner_params()
+    tied = sum(p.numel() for p in strategy.lightning_module.parameters() if id(p) in copies)
+
+    def gather(obj: Any) -> list[Any]:
+        # One watched broadcast per stage (runs once, at fit start): all_gather_object has no
+        # async_op, so it could not honour the watchdog.
+        what = "the model summary"
+        ranks = [topo.global_rank(r) for r in range(strategy.pp)]
+        return [strategy.broadcast_object(obj, src, groups.pp_group, what) for src in ranks]
+
+    use_pipeline_summaries(callbacks, gather, StageInfo(",".join(map(str, stages)), tied))
 
 
 def restore_summaries(callbacks: list[Callback]) -> None:

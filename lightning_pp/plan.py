@@ -48,8 +48,11 @@ __all__ = [
     "PreflightError",
     "bubble_warning",
     "check_batch",
+    "check_built_module",
     "check_layers",
     "check_module",
+    "check_no_scaler",
+    "check_pipeline_hooks",
     "check_schedule_args",
     "check_settings",
     "check_world",
@@ -431,6 +434,39 @@ def check_module(module: Any, *, configured: bool = True) -> None:
         raise PreflightError(f"{name} has a PipelineLayers with no layers")
 
 
+def check_pipeline_hooks(module: Any) -> None:
+    """At the strategy's setup: the module has the hooks the explicit-layers path calls."""
+    for hook in _HOOKS:
+        if not callable(getattr(module, hook, None)):
+            raise TypeError(
+                f"{type(module).__name__} lacks {hook}(); subclass "
+                f"lightning_pp.PipelineMixin, or pass PipelineStrategy(split=...)"
+            )
+
+
+def check_built_module(module: Any, layers: Any, precision_plugin: Any) -> None:
+    """After ``configure_model``: every parameter lies in a layer (the pipeline trains only
+    those), and no gradient scaler is in use."""
+    inside = {id(p) for p in layers.parameters()}
+    outside = [n for n, p in module.named_parameters() if id(p) not in inside]
+    if outside:
+        raise ValueError(
+            f"parameters outside the PipelineLayers would never be trained by the pipeline: "
+            f"{outside[:5]}{' ...' if len(outside) > 5 else ''}; move them into a layer"
+        )
+    check_no_scaler(precision_plugin)
+
+
+def check_no_scaler(precision_plugin: Any) -> None:
+    """A gradient scaler (``precision='16-mixed'``) would need its inf checks and loss scale
+    agreed across stages; the strategy does not do that, so it refuses one."""
+    if getattr(precision_plugin, "scaler", None) is not None:
+        raise ValueError(
+            "PipelineStrategy does not support a gradient scaler (precision='16-mixed'); "
+            "use precision='bf16-mixed' or '32-true'"
+        )
+
+
 #: LightningModule steps the strategy never calls (it runs the pipeline itself), and what it calls
 #: instead. A module's own override of one of them is silently skipped under the strategy.
 STRATEGY_STEPS = {
@@ -624,6 +660,20 @@ class PipelinePlan:
         dp = check_world(world_size, self.pp, self.dp if dp is None else dp)
         return dataclasses.replace(self, world_size=world_size, dp=dp)
 
+    def on_trainer_world(
+        self, world_size: int, *, pp: int | None, num_nodes: int, devices: int
+    ) -> PipelinePlan:
+        """:meth:`with_world` for the strategy: the error names the strategy's ``pp`` and the
+        Trainer's ``num_nodes x devices`` that made the world."""
+        try:
+            return self.with_world(world_size)
+        except PreflightError as e:
+            raise PreflightError(
+                f"PipelineStrategy(pp={pp}) does not divide the world size {world_size} "
+                f"(num_nodes={num_nodes} x devices={devices}): {e}",
+                key=e.key,
+            ) from None
+
     def with_layers(
         self,
         num_layers: int,
@@ -655,6 +705,24 @@ class PipelinePlan:
         """A batch of ``batch_size`` samples (per data-parallel replica) can be split into
         :attr:`microbatches` non-empty microbatches (not necessarily equal ones)."""
         check_batch(batch_size, self.microbatches, self.dp or 1)
+
+    def check_batch_of(self, batch: Any, rank: int) -> None:
+        """:meth:`check_batch` for a batch as the DataLoader yields it, on global rank ``rank``.
+
+        Every rank of a pipeline sees the same batch, so a batch too small for the microbatches
+        (a short last batch too) raises the same error on all of them, before any communication,
+        instead of one rank failing and the rest waiting. A batch without a batch dimension
+        passes: the engine reports it with the action."""
+        from .microbatch import batch_size_of  # torch, imported on use
+
+        try:
+            size = batch_size_of(batch)
+        except ValueError:
+            return
+        try:
+            self.check_batch(size)
+        except PreflightError as e:
+            raise PreflightError(f"rank {rank}: {e}", key=e.key) from None
 
     @property
     def num_stages(self) -> int:

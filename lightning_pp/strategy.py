@@ -5,6 +5,10 @@ Glue only: it decides *when* Lightning's hooks run and hands the work to its col
 
     PipelineStrategy -> PipelinePlan    every default and validity rule, with its message
                      -> LayerPlacement  which rank holds which layers and tied weights
+                     -> LayerBuild      builds and stages this rank's layers (stage_build;
+                                        SplitPipeline for split=)
+                     -> engine_build    the engine from the settings and the module's hooks
+                     -> eval_step       validation, test and predict: one forward-only path
                      -> compat          every private Lightning contact (_lightning_compat)
                      -> precision       clipping by the global norm, as a plugin subclass
                      -> checkpoint      sharded save / load bodies
@@ -19,9 +23,7 @@ Example::
 
 from __future__ import annotations
 
-import logging
-import warnings
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Generator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
@@ -33,12 +35,12 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from . import _lightning_compat as compat
+from . import eval_step
 from .autosplit.strategy_glue import SplitPipeline
 from .checkpoint import (
     load_pipeline_checkpoint,
@@ -46,36 +48,19 @@ from .checkpoint import (
     remove_checkpoint_dir,
     save_pipeline_checkpoint,
 )
+from .engine_build import build_engine, log_start
 from .failure import DEFAULT_WATCHDOG_TIMEOUT, PipelineAborted, report_failure
-from .grad_sync import DeferredGradSync, TiedParameterSync, tied_parameter_sync
-from .microbatch import batch_size_of
-from .model import (
-    PipelineLayers,
-    partition_weights,
-    rebuilt_layers_match,
-    replace_submodule,
-    select_layers,
-)
-from .model_summary import StageInfo, restore_summaries, use_pipeline_summaries
+from .grad_sync import DeferredGradSync, TiedParameterSync
+from .model_summary import restore_summaries, use_stage_summaries
 from .partition import PipelineChunk
 from .placement import LayerPlacement
-from .plan import (
-    PipelinePlan,
-    PreflightError,
-    check_module,
-    check_settings,
-    default_schedule,
-    ignored_step_overrides,
-    ignored_steps_message,
-)
+from .plan import PipelinePlan, check_settings, default_schedule
 from .precision import GlobalNormClipping, clip_by_global_norm, with_global_norm_clipping
 from .process_strategy import ProcessGroupStrategy, StartMethod
-from .stage_logging import LogCall, capture_logs, refuse_logs, replay_logs
+from .stage_build import LayerBuild
 from .topology import PipelineTopology, ProcessGroups, build_process_groups
 
 __all__ = ["PipelineStrategy"]
-
-log = logging.getLogger(__name__)
 
 
 class PipelineStrategy(ProcessGroupStrategy):
@@ -171,9 +156,16 @@ class PipelineStrategy(ProcessGroupStrategy):
         self.recv_lookahead = recv_lookahead
         #: the ``split=`` path (an unmodified model cut between its blocks), else ``None``
         self.split_pipeline = SplitPipeline(split, split_placement) if split else None
+        #: builds and stages this rank's layers: ``split=``'s, or the module's PipelineLayers
+        self.stage_build: SplitPipeline | LayerBuild = self.split_pipeline or LayerBuild()
         #: the checked shape; complete once the world and the module's layers are known
         self.plan: PipelinePlan | None = None
-        self._check_shape()  # fail at construction, before any process starts
+        # Fail at construction, before any process starts: the settings, and the whole shape
+        # when pp is given (pp=None: one pipeline over the world, whose size comes later).
+        if pp is not None:
+            self.plan = PipelinePlan.build(pp=pp, **self._settings())
+        else:
+            check_settings(**{k: v for k, v in self._settings().items() if k != "schedule"})
 
         self.topology: PipelineTopology | None = None
         self.groups: ProcessGroups | None = None
@@ -187,7 +179,6 @@ class PipelineStrategy(ProcessGroupStrategy):
         self.last_record: Any = None
         self._loss_scale = 1
         self._unclipped_precision: Precision | None = None
-        self._warned_steps = False  # about the module's own *_step overrides, once
 
     # ------------------------------------------------------------------ sizes and devices
     @property
@@ -231,68 +222,6 @@ class PipelineStrategy(ProcessGroupStrategy):
             "schedule": self.schedule_name,
         }
 
-    def _check_shape(self) -> None:
-        """At construction: the settings, and the whole shape when ``pp`` is given."""
-        if self._pp is not None:
-            self.plan = PipelinePlan.build(pp=self._pp, **self._settings())
-        else:  # one pipeline over the world: the shape waits for the world size
-            check_settings(**{k: v for k, v in self._settings().items() if k != "schedule"})
-
-    def _check_world(self) -> None:
-        if self.num_processes == 0:
-            return  # not connected to a Trainer yet
-        world = self.world_size
-        plan = self.plan or PipelinePlan.build(pp=world, **self._settings())
-        try:
-            self.plan = plan.with_world(world)
-        except PreflightError as e:
-            raise PreflightError(
-                f"PipelineStrategy(pp={self._pp}) does not divide the world size {world} "
-                f"(num_nodes={self.num_nodes} x devices={self.num_processes}): {e}",
-                key=e.key,
-            ) from None
-
-    def _check_layers(self, layers: PipelineLayers) -> None:
-        """Cut the module's layers into stages; errors show the split that would result."""
-        assert self.plan is not None
-        params, costs = partition_weights(self.lightning_module, layers, self.partition)
-        self.plan = self.plan.with_layers(layers.num_layers, layer_params=params, layer_costs=costs)
-        assert self.plan.layer_ranges is not None
-        self.placement = LayerPlacement(self.plan.schedule, self.plan.layer_ranges)
-
-    def _check_batch(self, batch: Any) -> None:
-        """Every rank of a pipeline sees the same batch, so a batch too small for the
-        microbatches (a short last batch too) raises the same error on all of them, before any
-        communication, instead of one rank failing and the rest waiting."""
-        assert self.plan is not None
-        try:
-            size = batch_size_of(batch)
-        except ValueError:
-            return  # no batch dimension to split: the engine reports it with the action
-        try:
-            self.plan.check_batch(size)
-        except PreflightError as e:
-            raise PreflightError(f"rank {self.global_rank}: {e}", key=e.key) from None
-
-    def _check_module(self, module: Any, layers: PipelineLayers | None = None) -> None:
-        """Before ``configure_model`` (no ``layers``): the module can be cut. After it: every
-        parameter lies in a layer, and no gradient scaler is in use."""
-        if layers is None:
-            check_module(module, configured=False)
-            return
-        inside = {id(p) for p in layers.parameters()}
-        outside = [n for n, p in module.named_parameters() if id(p) not in inside]
-        if outside:
-            raise ValueError(
-                f"parameters outside the PipelineLayers would never be trained by the pipeline: "
-                f"{outside[:5]}{' ...' if len(outside) > 5 else ''}; move them into a layer"
-            )
-        if getattr(self.precision_plugin, "scaler", None) is not None:
-            raise ValueError(
-                "PipelineStrategy does not support a gradient scaler (precision='16-mixed'); "
-                "use precision='bf16-mixed' or '32-true'"
-            )
-
     # ------------------------------------------------------------------ launching
     @override
     def watched_ranks(self) -> list[int]:
@@ -306,7 +235,13 @@ class PipelineStrategy(ProcessGroupStrategy):
     @override
     def set_world_ranks(self) -> None:
         super().set_world_ranks()
-        self._check_world()
+        if self.num_processes == 0:
+            return  # not connected to a Trainer yet
+        world = self.world_size
+        plan = self.plan or PipelinePlan.build(pp=world, **self._settings())
+        self.plan = plan.on_trainer_world(
+            world, pp=self._pp, num_nodes=self.num_nodes, devices=self.num_processes
+        )
 
     @override
     def setup_environment(self) -> None:
@@ -315,95 +250,24 @@ class PipelineStrategy(ProcessGroupStrategy):
         self.groups = build_process_groups(self.topology, timeout=self._timeout)
 
     # ------------------------------------------------------------------ building the model
-    def _select_layers(self, layers: PipelineLayers) -> list[int]:
-        """Partition the model once its layer count is known; return this rank's layers."""
-        assert self.topology is not None, "the process group must exist before configure_model"
-        self._check_layers(layers)
-        return self._local_layers()
-
-    def _local_layers(self) -> list[int]:
-        assert self.plan is not None and self.topology is not None
-        return [i for r in self.plan.stage_layers(self.topology.pp_rank) for i in r]
-
     @contextmanager
     @override
     def model_sharded_context(self) -> Generator[None, None, None]:
-        """Around ``configure_model``: PipelineLayers built here hold this rank's layers only."""
-        if self.split_pipeline is not None:  # an unmodified model: its own build, staged
-            with self.split_pipeline.build_context(self, self.lightning_module):
-                yield
-            return
-        module = self.lightning_module
-        built = None
-        if module is not None:
-            self._check_module(module)
-            built = _built_layers(module)
-        with select_layers(self._select_layers):
+        """Around ``configure_model``: this rank builds only its own stages."""
+        with self.stage_build.build_context(self, self.lightning_module):
             yield
-        if built is not None:
-            self._keep_built_layers(module, built)
-
-    def _keep_built_layers(self, module: Any, built: PipelineLayers) -> None:
-        """``configure_model`` without an "already built" guard builds fresh layers each time
-        Lightning calls it (again in validate/test/predict after fit): keep the built ones.
-
-        Kept rather than replaced because they hold what the user trained (or loaded), and
-        ``trainer.validate()`` after ``fit`` must evaluate that model; a rebuild of the same
-        architecture is never what a user means. A different architecture is used as built."""
-        rebuilt = _built_layers(module)
-        if rebuilt is None or rebuilt is built:
-            return
-        name = type(module).__name__
-        guard = "if getattr(self, 'layers', None) is not None: return"
-        if rebuilt_layers_match(built, rebuilt) and replace_submodule(module, rebuilt, built):
-            rank_zero_warn(
-                f"{name}.configure_model() built new PipelineLayers although they were already "
-                f"built (and possibly trained): Lightning calls configure_model() again in "
-                f"validate/test/predict and in every fit. PipelineStrategy keeps the already "
-                f"built layers and their weights, and drops the new ones (a plain Trainer would "
-                f"use the freshly initialised ones). Start configure_model() with `{guard}`."
-            )
-        else:
-            rank_zero_warn(
-                f"{name}.configure_model() replaced its already built (possibly trained) "
-                f"PipelineLayers by a different model; PipelineStrategy uses the new, freshly "
-                f"initialised layers. If that is not intended, start configure_model() with "
-                f"`{guard}`."
-            )
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.topology is not None
         self.accelerator.setup(trainer)
         module = self.lightning_module
-        split = self.split_pipeline
-        if split is not None:
-            split.stage_module(self, module)
-        else:
-            for hook in ("pipeline_layers", "pipeline_input", "pipeline_loss"):
-                if not callable(getattr(module, hook, None)):
-                    raise TypeError(
-                        f"{type(module).__name__} lacks {hook}(); subclass "
-                        f"lightning_pp.PipelineMixin, or pass PipelineStrategy(split=...)"
-                    )
-            if not self._warned_steps:
-                self._warned_steps = True
-                steps = ignored_step_overrides(module)
-                if steps:
-                    rank_zero_warn(ignored_steps_message(module, steps))
-            layers = module.pipeline_layers()
-            self._keep_local_layers(layers)
-            self._check_module(module, layers)
+        self.stage_build.stage_module(self, module)  # this rank's stages only, checked
         self.precision_plugin.convert_module(module)
         self.model_to_device()
         assert self.plan is not None and self.placement is not None
-        if split is not None:
-            self.chunks = list(split.chunks)
-            self.tied_sync = split.tied_sync(self)
-        else:
-            ranges = self.plan.stage_layers(self.topology.pp_rank)
-            self.chunks = [PipelineChunk([layers[i] for i in r], indices=r) for r in ranges]
-            self.tied_sync = tied_parameter_sync(layers, self.placement, self.topology, self.groups)
+        self.chunks = list(self.stage_build.chunks)
+        self.tied_sync = self.stage_build.tied_sync(self)
         self.tied_sync.broadcast_weights()  # the copies start from the owner's values
 
         fitting = trainer.state.fn == TrainerFn.FITTING
@@ -421,110 +285,16 @@ class PipelineStrategy(ProcessGroupStrategy):
                 self.precision_plugin, self.clip_grad_by_global_norm
             )
             # The model summary (printed at fit start) must count every stage, not rank 0's.
-            use_pipeline_summaries(
-                trainer.callbacks, self._gather_over_pipeline, self._stage_info()
-            )
+            use_stage_summaries(self, trainer.callbacks)
         self.grad_sync = DeferredGradSync(
             [list(c.parameters()) for c in self.chunks],
             self.groups.dp_group,
             self.topology.dp,
             self.bucket_cap_mb,
         )
-        self.engine = self._build_engine()
+        self.engine = build_engine(self)
         if self.is_global_zero:
-            self._log_start()
-
-    def _stage_info(self) -> StageInfo:
-        """This rank's line in the model summary: its stages, and its tied copies' size."""
-        assert self.plan is not None and self.topology is not None
-        stages = self.plan.schedule.stages_of(self.topology.pp_rank)
-        copies = self.tied_sync.non_owner_params()
-        tied = sum(p.numel() for p in self.lightning_module.parameters() if id(p) in copies)
-        return StageInfo(",".join(map(str, stages)), tied)
-
-    def _gather_over_pipeline(self, obj: Any) -> list[Any]:
-        """Collective over this rank's pipeline group: every stage's ``obj``, in stage order."""
-        assert self.groups is not None
-        assert self.topology is not None
-        # One watched broadcast per stage (runs once, at fit start): all_gather_object has no
-        # async_op, so it could not honour the watchdog.
-        return [
-            self.broadcast_object(
-                obj, self.topology.global_rank(r), self.groups.pp_group, "the model summary"
-            )
-            for r in range(self.pp)
-        ]
-
-    def _keep_local_layers(self, layers: PipelineLayers) -> None:
-        """Layers built outside ``configure_model`` (every rank built all): drop the others."""
-        assert self.topology is not None
-        if self.placement is not None:
-            if sorted(layers.built_indices) == sorted(self._local_layers()):
-                return  # built in configure_model, as intended
-        else:
-            warnings.warn(
-                "PipelineLayers were built outside configure_model(): every rank built all "
-                "layers and now drops the others. Build them in configure_model() so each "
-                "rank materialises only its own.",
-                stacklevel=3,
-            )
-        local = self._select_layers(layers)
-        missing = set(local) - set(layers.built_indices)
-        if missing:
-            raise RuntimeError(
-                f"rank {self.global_rank}: layers {sorted(missing)} of this stage were not built"
-            )
-        layers.keep_only(local)
-
-    def _build_engine(self) -> Any:
-        from .engine import PipelineEngine  # late import: the engine loads torch.distributed bits
-
-        module = self.lightning_module
-        assert self.grad_sync is not None
-
-        rank = self.global_rank
-
-        # Both run on one stage, per microbatch, inside the schedule: self.log there is refused
-        # with a clear error (lightning_pp.stage_logging says why).
-        def loss_fn(output: Any, microbatch: Any) -> Tensor:
-            with refuse_logs(module, "pipeline_loss", rank):
-                # Divided like Lightning divides a plain step's loss under gradient accumulation.
-                return module.pipeline_loss(output, microbatch) / self._loss_scale
-
-        def input_fn(microbatch: Any) -> Any:
-            with refuse_logs(module, "pipeline_input", rank):
-                return module.pipeline_input(microbatch)
-
-        if self.split_pipeline is not None:
-            io: dict[str, Any] = self.split_pipeline.engine_kwargs(self)
-        else:
-            io = {"loss_fn": loss_fn, "input_fn": input_fn}
-        return PipelineEngine(
-            self.chunks,
-            self.plan.schedule,
-            self.topology,
-            self.groups,
-            **io,
-            loss_reduction="mean",
-            release_outputs=self.release_outputs,
-            on_chunk_grads_ready=self.grad_sync.on_chunk_grads_ready,
-            device=self.root_device,
-            watchdog_timeout=self.watchdog_timeout,
-            check_finite=self.check_finite,
-            recv_lookahead=self.recv_lookahead,
-        )
-
-    def _log_start(self) -> None:
-        """Say the run's decisions once (global rank 0): shape, placement, partition per rank,
-        schedule, and what the engine resolved for the transfers."""
-        assert self.plan is not None and self.grad_sync is not None
-        for line in self.plan.describe():
-            log.info(line)
-        log.info(
-            f"engine: receive lookahead {self.engine.recv_lookahead} action(s); data-parallel "
-            f"all-reduce in buckets of {self.bucket_cap_mb:g} MB ({self.grad_sync.num_buckets} "
-            f"on rank 0, dp={self.dp})"
-        )
+            log_start(self)
 
     # ------------------------------------------------------------------ training
     @override
@@ -532,9 +302,10 @@ class PipelineStrategy(ProcessGroupStrategy):
         """One pipelined forward+backward over the batch; returns the batch loss on every rank."""
         module = self.lightning_module
         trainer = module.trainer
+        assert self.plan is not None
         batch = args[0] if args else kwargs["batch"]
         batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
-        self._check_batch(batch)
+        self.plan.check_batch_of(batch, self.global_rank)
         accumulate = trainer.accumulate_grad_batches
         if batch_idx % accumulate == 0:
             for optimizer in self.optimizers[:1]:  # automatic optimization steps optimizer 0
@@ -583,82 +354,20 @@ class PipelineStrategy(ProcessGroupStrategy):
         return clip_by_global_norm(params, max_norm, self.groups.pp_group, skip=skip)
 
     # ------------------------------------------------------------------ evaluation, prediction
-    def _forward_only(self, batch: Any, context: Callable, on_output: Callable, hook: str) -> Any:
-        """Run the forward-only schedule. The rank holding the last stage turns the batch's output
-        (microbatches concatenated) into ``on_output(output)``; every pipeline rank returns it.
-
-        If ``on_output`` (the user's ``hook``) raises there, the other ranks, waiting in the
-        broadcast, receive the failure instead of a value and stop with ``PipelineAborted``:
-        one stage's error must not leave the others blocked in a collective."""
-        assert self.topology is not None and self.groups is not None and self.placement
-        with context():
-            result = self.engine.eval_step(batch, collect_outputs=True)
-        self.last_record = result.record
-        last = self.placement.output_rank
-        src = self.topology.global_rank(last)
-        payload: list[Any] = [None]
-        error: Exception | None = None
-        if self.topology.pp_rank == last:
-            try:
-                payload = [(True, on_output(_concat_outputs(result.outputs)))]
-            except Exception as e:
-                if self.pp == 1:
-                    raise
-                error, payload = e, [(False, {"type": type(e).__name__, "message": str(e)})]
-        if self.pp > 1:
-            payload = [self.broadcast_object(payload[0], src, self.groups.pp_group, "outputs")]
-        ok, value = payload[0]
-        if error is not None:
-            raise error
-        if not ok:
-            origin = {"rank": src, "where": hook, **value}
-            raise PipelineAborted(
-                f"rank {self.global_rank}: stopped because rank {src} (last stage) failed in "
-                f"{hook}(): {value['type']} (its error is printed by rank {src})",
-                self.global_rank,
-                src,
-                origin,
-            )
-        return value
-
-    def _eval(self, batch: Any, split: str, context: Callable) -> dict[str, Tensor]:
-        """``pipeline_eval_step`` on the last stage, averaged over replicas, logged everywhere."""
-        self._check_batch(batch)
-        module, topo, groups = self.lightning_module, self.topology, self.groups
-        assert topo is not None and groups is not None
-
-        def metrics(output: Any) -> tuple[list[str], Tensor, list[LogCall]]:
-            # What the hook self.log()s is captured here and replayed on every rank below.
-            with context(), capture_logs(module, "pipeline_eval_step", self.global_rank) as logs:
-                values = module.pipeline_eval_step(output, batch, split)
-            stacked = torch.stack([torch.as_tensor(v).detach().float() for v in values.values()])
-            if topo.dp > 1:  # average over replicas (each saw a different shard)
-                self.all_reduce(stacked, group=groups.dp_group, what="the eval metrics")
-                stacked = stacked / topo.dp
-            return list(values), stacked.cpu(), logs
-
-        names, stacked, logs = self._forward_only(batch, context, metrics, "pipeline_eval_step")
-        values = {n: stacked[i].to(self.root_device) for i, n in enumerate(names)}
-        module.pipeline_log_eval(values, split)
-        replay_logs(module, logs, groups.dp_group, self.root_device)
-        return values
-
+    # One forward-only path (lightning_pp.eval_step): the last stage's result reaches every rank.
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         context = self.precision_plugin.val_step_context
         if self.split_pipeline is not None:
             return self.split_pipeline.forward_only(self, "validation_step", args, kwargs, context)
-        return self._eval(args[0], "val", context)
+        return eval_step.evaluate(self, args[0], "val", context)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         context = self.precision_plugin.test_step_context
         if self.split_pipeline is not None:
             return self.split_pipeline.forward_only(self, "test_step", args, kwargs, context)
-        return self._eval(args[0], "test", context)
-
-    def _predict_output(self, output: Any) -> Any:
-        return _to_cpu(output) if self.pp > 1 else output
+        return eval_step.evaluate(self, args[0], "test", context)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -669,7 +378,7 @@ class PipelineStrategy(ProcessGroupStrategy):
             return self.split_pipeline.forward_only(
                 self, "predict_step", args, kwargs, context, predict=True
             )
-        return self._forward_only(args[0], context, self._predict_output, "predict_step")
+        return eval_step.predict(self, args[0], context)
 
     # ------------------------------------------------------------------ checkpoints
     # A checkpoint is a directory: every stage writes its own tensors by original name, rank 0
@@ -786,33 +495,6 @@ class PipelineStrategy(ProcessGroupStrategy):
                     description=f"Pipeline x data parallel (start_method={start_method!r})",
                     start_method=start_method,
                 )
-
-
-def _built_layers(module: Any) -> PipelineLayers | None:
-    """The module's PipelineLayers if it holds some built layers, else ``None``."""
-    try:
-        layers = module.pipeline_layers()
-    except Exception:  # not built yet: pipeline_layers() says so by raising
-        return None
-    return layers if isinstance(layers, PipelineLayers) and layers.built_indices else None
-
-
-def _concat_outputs(outputs: Sequence[Any]) -> Any:
-    """Join per-microbatch outputs along dim 0 (tensors, or tuples/lists of tensors)."""
-    first = outputs[0]
-    if isinstance(first, Tensor):
-        return torch.cat(list(outputs), dim=0)
-    if isinstance(first, (tuple, list)):
-        return type(first)(_concat_outputs([o[i] for o in outputs]) for i in range(len(first)))
-    return list(outputs)
-
-
-def _to_cpu(x: Any) -> Any:
-    if isinstance(x, Tensor):
-        return x.cpu()
-    if isinstance(x, (tuple, list)):
-        return type(x)(_to_cpu(t) for t in x)
-    return x
 
 
 def _register() -> None:

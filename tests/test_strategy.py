@@ -260,10 +260,10 @@ def test_layer_split_check_is_preflight_and_shows_the_split():
     strategy = PipelineStrategy(pp=2, vpp=2, microbatches=4)
     strategy.topology = PipelineTopology.from_world(2, 0, pp=2)  # as after setup_environment
     with pytest.raises(PreflightError) as err:
-        strategy._select_layers(SimpleNamespace(num_layers=3))
+        strategy.stage_build.select(strategy, SimpleNamespace(num_layers=3))
     msg = str(err.value)
     assert "num_layers=3" in msg and "pp(2) * vpp(2) = 4" in msg and "s3=" in msg
-    assert strategy._select_layers(SimpleNamespace(num_layers=4)) == [0, 2]
+    assert strategy.stage_build.select(strategy, SimpleNamespace(num_layers=4)) == [0, 2]
 
 
 SMALL_BATCH_SCRIPT = """

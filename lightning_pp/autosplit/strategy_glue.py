@@ -50,9 +50,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from .. import eval_step
 from ..grad_sync import TiedGroup, TiedParameterSync
 from ..microbatch import batch_size_of
 from ..placement import LayerPlacement
+from ..plan import check_no_scaler
 from .materialize import ShapeBuild, _registration_hooks, _to_meta, meta_twin, replay_build
 from .split import SplitError, SplitLayout, StagedModel
 
@@ -259,11 +261,7 @@ class SplitPipeline:
             self.staged = StagedModel.assemble(
                 module, ShapeBuild(twin), layout, self._stages(strategy), strategy.root_device
             )
-        if getattr(strategy.precision_plugin, "scaler", None) is not None:
-            raise ValueError(
-                "PipelineStrategy does not support a gradient scaler (precision='16-mixed'); "
-                "use precision='bf16-mixed' or '32-true'"
-            )
+        check_no_scaler(strategy.precision_plugin)
         self.chunks = [_SplitChunk(self, c) for c in range(len(self.staged.stages))]
 
     def tied_sync(self, strategy: Any) -> TiedParameterSync:
@@ -378,10 +376,14 @@ class SplitPipeline:
         schedule: logs (or, for predict, the outputs concatenated) reach every rank."""
         module = strategy.lightning_module
         batch = args[0] if args else kwargs["batch"]
-        strategy._check_batch(batch)
+        strategy.plan.check_batch_of(batch, strategy.global_rank)
         with self._running(module, hook, args, kwargs, train=False):
             if predict:
-                return strategy._forward_only(batch, context, strategy._predict_output, hook)
-            logs = strategy._forward_only(batch, context, lambda _out: self._logs.take(), hook)
+                return eval_step.predict(strategy, batch, context, hook)
+            logs = eval_step.forward_only(strategy, batch, context, self._on_output, hook)
         self.replay_logs(strategy, module, logs)
         return None
+
+    def _on_output(self, _output: Any) -> dict[str, tuple[float, tuple, dict]]:
+        """On the last stage after an eval step: what the hook logged is the step's result."""
+        return self._logs.take()
