@@ -94,6 +94,13 @@ GRID += [
     _case("interleaved", 4, 2, 8, model="tuple", batch=8),
     _case("gpipe", 4, 2, 4, model="tuple", batch=8),
     _case("gpipe-v", 2, 2, 3, model="tuple", batch=8),
+    # zero-bubble schedules (split backward: I and W; zbv on the V placement), m < 2p for zbv
+    _case("zb-h1", 2, 1, 3),
+    _case("zb-h1", 4, 1, 6),
+    _case("zbv", 2, 2, 3),
+    _case("zbv", 4, 2, 8, static=True),
+    _case("zb-h1", 4, 1, 4, model="tuple", batch=8),
+    _case("zbv", 4, 2, 5, model="tuple", batch=8),
 ]
 
 
