@@ -352,15 +352,24 @@ def _budget_error(plan: RecomputePlan, schedule: Schedule) -> RecomputeBudgetErr
     return RecomputeBudgetError("\n".join(lines))
 
 
-def plan_auto(engine: PipelineEngine, batch: Any, budget: int) -> RecomputePlan:
+def plan_auto(
+    engine: PipelineEngine,
+    batch: Any,
+    budget: int,
+    *,
+    probes: list[list[LayerProbe]] | None = None,
+) -> RecomputePlan:
     """Probe, plan every rank under ``budget``, check that every rank fits, and apply this
     rank's choice to ``engine``. Collective: every rank of the job calls it with the same batch
-    shape it trains on. Logs the plan (logger ``lightning_pp``) on global rank 0.
+    shape it trains on. Logs the plan (logger ``lightning_pp``) on global rank 0. ``probes``:
+    this rank's measurements from an earlier ``engine.probe_step`` (re-planning under another
+    budget needs no new probe).
 
     Raises:
         RecomputeBudgetError: on every rank, when some rank does not fit.
     """
-    probes = engine.probe_step(batch)
+    if probes is None:
+        probes = engine.probe_step(batch)
     mine = plan_rank(engine.schedule, engine.pp_rank, probes, budget, rank=engine.rank)
     plans = [mine]
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
