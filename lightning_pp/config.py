@@ -313,6 +313,14 @@ def _check_strategy(strategy: Any, errors: _Errors) -> None:
         errors.add("strategy", "lightning_pp.strategy.PipelineStrategy is not importable")
         return
     _check_kwargs(cls, strategy, "strategy", "not an argument of PipelineStrategy", errors)
+    if "recompute" in strategy or "activation_budget" in strategy:
+        from .plan import check_recompute
+
+        try:
+            check_recompute(strategy.get("recompute"), strategy.get("activation_budget"))
+        except ValueError as e:
+            key = "activation_budget" if str(e).startswith("activation_budget") else "recompute"
+            errors.add(f"strategy.{key}", str(e))
 
 
 def _check_callbacks(callbacks: Any, errors: _Errors) -> None:

@@ -34,6 +34,7 @@ Example (every rank of the pipeline runs the same code)::
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -47,6 +48,15 @@ from .engine_step import StepRun, place_chunks
 from .failure import DEFAULT_WATCHDOG_TIMEOUT, FailureMonitor, PipelineAborted, PipelineHang
 from .numerics import FiniteChecker
 from .p2p import P2PCommunicator, p2p_backend
+from .recompute import (
+    RecomputeSpec,
+    Targets,
+    install_recompute,
+    install_targets,
+    parse_recompute,
+    select_positions,
+)
+from .recompute_plan import LayerProbe
 from .records import StepRecord
 from .schedules import Action, Schedule, check_positive
 from .topology import PipelineTopology, ProcessGroups
@@ -143,6 +153,13 @@ class PipelineEngine:
             chunk can read its microbatch (token ids, masks, labels) without those tensors
             travelling with the activation (a split model recomputes its side inputs from them;
             see :mod:`lightning_pp.autosplit`). ``input_fn`` may then return ``()``.
+        recompute: activation recompute in training forwards (never in eval):
+            ``None``, ``"full"``, layer indices, or a
+            :class:`~lightning_pp.recompute.Selective` (see :mod:`lightning_pp.recompute`;
+            ``"auto"`` is resolved by :func:`lightning_pp.recompute_plan.plan_auto`, which
+            calls :meth:`set_recompute_positions`). Under a split backward (``I``/``W``), a
+            chunk that recomputes anything runs its whole backward in ``I`` (``W`` is a no-op):
+            torch's checkpoint would otherwise recompute the forward again for ``W``.
 
     The batch given to ``train_step``/``eval_step`` must already be on ``device``; every rank of
     a pipeline gets the same batch (the first stage reads inputs, the last stage the targets).
@@ -175,6 +192,7 @@ class PipelineEngine:
         failure_monitor: FailureMonitor | None = None,
         recv_lookahead: int | None = None,
         chunk_gets_microbatch: bool = False,
+        recompute: RecomputeSpec = None,
     ) -> None:
         if schedule.pp != topology.pp:
             raise ValueError(
@@ -199,6 +217,16 @@ class PipelineEngine:
         self.measure_memory = measure_memory
         self.chunk_gets_microbatch = chunk_gets_microbatch
         self._steps = 0
+        self.recompute = parse_recompute(recompute)
+        self.recompute_targets: Targets = [[] for _ in self.chunks]
+        if self.recompute not in (None, "auto"):
+            self.recompute_targets = install_recompute(self.chunks, self.recompute)
+        elif self.recompute == "auto":
+            raise ValueError(
+                f"rank {topology.rank}: PipelineEngine(recompute='auto') needs the planner: "
+                "build the engine with recompute=None and call "
+                "lightning_pp.recompute_plan.plan_auto(engine, batch, budget)"
+            )
         # Where each local chunk sits, from the schedule's placement (eval's forward-only
         # schedule keeps it); the step loss comes from the rank holding the last stage.
         self.places = place_chunks(schedule, topology)
@@ -261,10 +289,42 @@ class PipelineEngine:
     def pp_rank(self) -> int:
         return self.topology.pp_rank
 
+    def set_recompute_positions(self, positions: Sequence[Sequence[int]]) -> None:
+        """Recompute the layers at these positions of each local chunk (the planner's choice;
+        positions index :func:`~lightning_pp.recompute.layer_names` of each chunk)."""
+        self.recompute_targets = install_targets(select_positions(self.chunks, positions))
+        self.recompute = "auto"
+
+    def recomputes(self, chunk: int) -> bool:
+        """Whether local ``chunk`` recomputes anything in training forwards."""
+        return bool(self.recompute_targets[chunk])
+
     # -- public steps --------------------------------------------------------------------------
     def train_step(self, batch: Any) -> StepResult:
         """Forward and backward over every microbatch; gradients ACCUMULATE into ``.grad``."""
         return self._run(self.schedule, batch, train=True, collect=False)
+
+    def probe_step(self, batch: Any) -> list[list[LayerProbe]]:
+        """Forward of microbatch 0 only (every rank, the schedule's order), with gradients
+        enabled and each layer measured: what it saves for backward, the inputs a checkpoint
+        would hold, its forward time (per local chunk, per layer). No backward, no stash: each
+        layer's graph is freed once measured. All ranks of the pipeline must call it."""
+        fo = self.schedule.forward_only()
+        probe_schedule = dataclasses.replace(
+            fo,
+            name=f"{self.schedule.name}-probe",
+            ranks=tuple(tuple(a for a in r if a.mb == 0) for r in fo.ranks),
+        )
+        probes: list[list[LayerProbe]] = [[] for _ in self.chunks]
+        self._steps += 1
+        try:
+            self._run_actions(probe_schedule, batch, train=False, collect=False, probes=probes)
+        except PipelineAborted:
+            raise
+        except Exception as e:
+            self._report(e)
+            raise
+        return probes
 
     @torch.no_grad()
     def eval_step(self, batch: Any, *, collect_outputs: bool = False) -> StepResult:
@@ -293,9 +353,15 @@ class PipelineEngine:
         self.monitor.report_failure(where or "step", cause or error)
 
     def _run_actions(
-        self, schedule: Schedule, batch: Any, *, train: bool, collect: bool
+        self,
+        schedule: Schedule,
+        batch: Any,
+        *,
+        train: bool,
+        collect: bool,
+        probes: list[list[LayerProbe]] | None = None,
     ) -> StepResult:
-        step = StepRun(self, schedule, batch, train=train, collect=collect)
+        step = StepRun(self, schedule, batch, train=train, collect=collect, probes=probes)
         index, action = -1, None
         finished = False
         try:

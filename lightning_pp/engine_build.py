@@ -68,6 +68,8 @@ def build_engine(strategy: PipelineStrategy) -> PipelineEngine:
         watchdog_timeout=strategy.watchdog_timeout,
         check_finite=strategy.check_finite,
         recv_lookahead=strategy.recv_lookahead,
+        # "auto" is planned on the first batch (PipelineStrategy.training_step)
+        recompute=None if strategy.recompute == "auto" else strategy.recompute,
     )
 
 

@@ -28,6 +28,8 @@ import torch
 from .microbatch import batch_size_of, split_microbatches
 from .p2p import ACT, GRAD, Message, PendingRecv, RecvRequest, SendQueue, Spec, format_specs
 from .p2p_order import message_order
+from .recompute import recompute_active
+from .recompute_plan import LayerProbe, measure_chunk
 from .records import StepRecorder
 from .schedules import Action, Op, Schedule
 from .split_backward import WeightWork, backward_input, fused_backward
@@ -128,13 +130,15 @@ class Stash:
         self._drop(entry.held)
         return entry
 
-    def defer(self, chunk: int, entry: _Entry, work: WeightWork) -> None:
+    def defer(self, chunk: int, entry: _Entry, work: WeightWork, *, freed: bool = False) -> None:
         """After ``I`` popped ``entry``: it stays in flight, its saved bytes counted, until its
         ``W`` (the retained graph holds the activations until then); its stashed inputs and
-        outputs are no longer held here."""
-        self.deferred[chunk].append((entry.mb, entry.saved_bytes, work))
+        outputs are no longer held here. ``freed``: the backward ran whole in ``I`` and its
+        graph is gone (a recomputing chunk): in flight until ``W``, but holding no bytes."""
+        saved = 0 if freed else entry.saved_bytes
+        self.deferred[chunk].append((entry.mb, saved, work))
         self.inflight += 1
-        self.saved_bytes += entry.saved_bytes
+        self.saved_bytes += saved
 
     def pop_deferred(self, action: Action, rank: int) -> WeightWork:
         """The oldest ``I`` of ``action``'s chunk, which ``action`` (a ``W``) must match."""
@@ -210,6 +214,14 @@ def _as_tuple(x: Any, what: str) -> tuple[tuple[torch.Tensor, ...], bool]:
     )
 
 
+def _detached(out: Any) -> Any:
+    if isinstance(out, torch.Tensor):
+        return out.detach()
+    if isinstance(out, (tuple, list)):
+        return type(out)(_detached(t) for t in out)
+    return out
+
+
 def _storages(batch: Any) -> set[int]:
     """Data pointers of every tensor storage in a (nested) batch."""
     if isinstance(batch, torch.Tensor):
@@ -239,7 +251,14 @@ class StepRun:
     """
 
     def __init__(
-        self, engine: PipelineEngine, schedule: Schedule, batch: Any, *, train: bool, collect: bool
+        self,
+        engine: PipelineEngine,
+        schedule: Schedule,
+        batch: Any,
+        *,
+        train: bool,
+        collect: bool,
+        probes: list[list[LayerProbe]] | None = None,
     ) -> None:
         self.recorder = StepRecorder(engine.rank, engine.pp_rank, schedule, t0=time.perf_counter())
         self.engine = engine
@@ -247,9 +266,14 @@ class StepRun:
         self.actions = schedule.ranks[engine.pp_rank]
         self.train = train
         self.collect = collect
+        # A probe step (PipelineEngine.probe_step): forward with gradients, each layer measured
+        # into probes[chunk], nothing stashed.
+        self.probes = probes
         self.microbatches = split_microbatches(batch, schedule.microbatches)
         self.batch_size = batch_size_of(batch)
-        self._batch_storages = _storages(batch) if engine.measure_memory else set()
+        self._batch_storages = (
+            _storages(batch) if engine.measure_memory or probes is not None else set()
+        )
         self.stash = Stash(len(engine.chunks))
         self.loss = torch.zeros((), dtype=torch.float32, device=engine.device)
         self.outputs: dict[int, Any] = {}
@@ -310,24 +334,29 @@ class StepRun:
         place = self.places[c]
         s = place.stage
         microbatch = self.microbatches[mb]
+        grad_inputs = self.train or self.probes is not None
         if place.first:
             x = engine.input_fn(microbatch)
             inputs = _as_tuple(x, f"input_fn(microbatch {mb})")[0] if self.train else ()
         else:
             arrived = received[0]
             inputs = tuple(
-                t.requires_grad_(True) if self.train and t.is_floating_point() else t
+                t.requires_grad_(True) if grad_inputs and t.is_floating_point() else t
                 for t in arrived.tensors
             )
             x = inputs if arrived.is_tuple else inputs[0]
         saved: dict[Any, int] = {}
         args = (x, microbatch) if engine.chunk_gets_microbatch else (x,)
         try:
-            if engine.measure_memory and self.train:
-                with torch.autograd.graph.saved_tensors_hooks(self._pack(saved), lambda t: t):
-                    out = engine.chunks[c](*args)
+            if self.probes is not None:
+                with torch.enable_grad():
+                    out, self.probes[c] = measure_chunk(engine.chunks[c], args, self._saved_key)
+                out = _detached(out)  # the graph was measured; nothing goes backward
+            elif self.train and engine.recomputes(c):
+                with recompute_active(engine.recompute_targets):
+                    out = self._run_chunk(c, args, saved)
             else:
-                out = engine.chunks[c](*args)
+                out = self._run_chunk(c, args, saved)
         except Exception as e:
             if place.first:
                 raise
@@ -387,19 +416,36 @@ class StepRun:
                 action.chunk, _Entry(action.mb, inputs, (scaled,), [0], [], saved_bytes)
             )
 
-    def _pack(self, saved: dict[Any, int]) -> Callable[[torch.Tensor], torch.Tensor]:
-        params, batch = self.engine.param_storages, self._batch_storages
+    def _run_chunk(self, c: int, args: tuple[Any, ...], saved: dict[Any, int]) -> Any:
+        chunk = self.engine.chunks[c]
+        if self.engine.measure_memory and self.train:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack(saved), lambda t: t):
+                return chunk(*args)
+        return chunk(*args)
 
+    def _saved_key(self, t: torch.Tensor) -> tuple[Any, int] | None:
+        """How the memory meter counts a tensor autograd saves: ``(key, bytes)`` of the storage
+        it keeps alive (shared storages once per key), ``None`` for a parameter."""
+        st = t.untyped_storage()
+        ptr = st.data_ptr()
+        if ptr in self._batch_storages:
+            # A view of the step's input batch (a tensor_split microbatch): the batch is
+            # held by the caller anyway; backward keeps alive only what this view covers.
+            return (
+                ptr,
+                t.storage_offset(),
+                tuple(t.shape),
+                t.stride(),
+            ), t.numel() * t.element_size()
+        if ptr in self.engine.param_storages:
+            return None
+        return ptr, st.nbytes()
+
+    def _pack(self, saved: dict[Any, int]) -> Callable[[torch.Tensor], torch.Tensor]:
         def pack(t: torch.Tensor) -> torch.Tensor:
-            st = t.untyped_storage()
-            ptr = st.data_ptr()
-            if ptr in batch:
-                # A view of the step's input batch (a tensor_split microbatch): the batch is
-                # held by the caller anyway; backward keeps alive only what this view covers.
-                key = (ptr, t.storage_offset(), tuple(t.shape), t.stride())
-                saved[key] = t.numel() * t.element_size()
-            elif ptr not in params:
-                saved[ptr] = st.nbytes()
+            counted = self._saved_key(t)
+            if counted is not None:
+                saved[counted[0]] = counted[1]
             # A detached alias, not ``t`` itself: autograd stores what pack returns, and output
             # release later swaps the storage of the very tensor object it was given.
             return t.detach()
@@ -417,7 +463,16 @@ class StepRun:
         else:
             all_grads = received[0].tensors if received else ()
             grads = tuple(all_grads[i] for i in entry.grad_positions)
-        if action.op is Op.I:
+        if action.op is Op.I and self.engine.recomputes(c):
+            # torch's checkpoint recomputes per backward call and frees each recomputed tensor
+            # as it is used, so a W after this I would run the forward a second time (and
+            # under a GraphExecGroup it fails instead). So the whole backward runs here, with
+            # one recompute, and W is a no-op; the graph is freed now.
+            fused_backward(tensors, grads)
+            work = WeightWork(fused=True, reason="recompute")
+            self.stash.defer(c, entry, work, freed=True)
+            got = [t.grad for t in entry.inputs if t.is_floating_point()]
+        elif action.op is Op.I:
             # Input gradient only; what W needs waits in the chunk's W queue (FIFO like I's).
             dx, work = backward_input(tensors, grads, entry.inputs)
             self.stash.defer(c, entry, work)

@@ -129,6 +129,31 @@ def _positive_number(name: str, value: Any, unit: str, none_means: str | None = 
 # ------------------------------------------------------------------------------------ the rules
 
 
+def check_recompute(recompute: Any, activation_budget: Any) -> tuple[Any, int | None]:
+    """The recompute rules: a valid ``recompute`` (see :mod:`lightning_pp.recompute`), and an
+    ``activation_budget`` exactly when ``recompute="auto"``. Returns ``(recompute in normal
+    form, budget in bytes or None)``; errors name the key.
+
+    >>> check_recompute("auto", "1MiB")
+    ('auto', 1048576)
+    """
+    from .recompute import parse_bytes, parse_recompute
+
+    spec = parse_recompute(recompute, key="recompute")
+    budget = None if activation_budget is None else parse_bytes(activation_budget)
+    if spec == "auto" and budget is None:
+        raise ValueError(
+            "recompute='auto' needs activation_budget: the bytes of saved activations each rank "
+            "may hold (e.g. activation_budget='6GiB')"
+        )
+    if spec != "auto" and budget is not None:
+        raise ValueError(
+            f"activation_budget={activation_budget!r} is only used with recompute='auto' "
+            f"(recompute is {recompute!r})"
+        )
+    return spec, budget
+
+
 def check_settings(
     *,
     vpp: int = 1,

@@ -54,9 +54,11 @@ from .grad_sync import DeferredGradSync, TiedParameterSync
 from .model_summary import restore_summaries, use_stage_summaries
 from .partition import PipelineChunk
 from .placement import LayerPlacement
-from .plan import PipelinePlan, check_settings, default_schedule
+from .plan import PipelinePlan, check_recompute, check_settings, default_schedule
 from .precision import GlobalNormClipping, clip_by_global_norm, with_global_norm_clipping
 from .process_strategy import ProcessGroupStrategy, StartMethod
+from .recompute import RecomputeSpec
+from .recompute_plan import plan_auto
 from .stage_build import LayerBuild
 from .topology import PipelineTopology, ProcessGroups, build_process_groups
 
@@ -103,6 +105,13 @@ class PipelineStrategy(ProcessGroupStrategy):
             model").
         split_placement: ``{module name: "first" | "last"}`` for modules beside the blocks whose
             registration order does not say on which end they run (``split`` only).
+        recompute: activation recompute (``torch.utils.checkpoint``, non-reentrant) in training:
+            ``None``, ``"full"``, a list of layer indices, ``"selective:<module pattern>"``
+            (modules inside layers, e.g. ``"selective:attn"``) or ``"auto"`` (per rank, the
+            cheapest layers that fit ``activation_budget``; planned on the first batch and
+            logged). See docs/strategy.md "Fitting in memory".
+        activation_budget: bytes of saved activations per rank for ``recompute="auto"``
+            (an int or a string such as ``"6GiB"``).
 
     Example::
 
@@ -134,6 +143,8 @@ class PipelineStrategy(ProcessGroupStrategy):
         recv_lookahead: int | None = None,
         split: str | None = None,
         split_placement: dict[str, str] | None = None,
+        recompute: RecomputeSpec = None,
+        activation_budget: int | str | None = None,
     ) -> None:
         super().__init__(
             start_method=start_method,
@@ -154,6 +165,14 @@ class PipelineStrategy(ProcessGroupStrategy):
         self.watchdog_timeout = watchdog_timeout
         self.check_finite = check_finite
         self.recv_lookahead = recv_lookahead
+        self.recompute, self.activation_budget = check_recompute(recompute, activation_budget)
+        if self.recompute == "auto" and split:
+            raise ValueError(
+                "recompute='auto' is not supported with split= yet: use recompute='full' or a "
+                "list of layer indices"
+            )
+        #: the ``recompute="auto"`` plan (every rank's choice), once the first batch ran
+        self.recompute_plan: Any = None
         #: the ``split=`` path (an unmodified model cut between its blocks), else ``None``
         self.split_pipeline = SplitPipeline(split, split_placement) if split else None
         #: builds and stages this rank's layers: ``split=``'s, or the module's PipelineLayers
@@ -319,6 +338,9 @@ class PipelineStrategy(ProcessGroupStrategy):
                 if self.split_pipeline is not None:  # the module's own training_step per stage
                     result = self.split_pipeline.train_step(self.engine, module, args, kwargs)
                 else:
+                    if self.recompute == "auto" and self.recompute_plan is None:
+                        assert self.activation_budget is not None
+                        self.recompute_plan = plan_auto(self.engine, batch, self.activation_budget)
                     result = self.engine.train_step(batch)
         finally:
             self._loss_scale = 1

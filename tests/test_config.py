@@ -435,3 +435,14 @@ def test_validate_is_a_deprecated_alias_of_plan(capsys):
         "lightning-pp validate is deprecated: use `lightning-pp plan` (same arguments)"
     )
     assert planned.err == ""
+
+
+def test_recompute_values_checked_with_the_key(tmp_path, user_module):
+    path = write(tmp_path, BASE + "strategy:\n  pp: 1\n  recompute: fully\n")
+    assert "'strategy.recompute'" in config_error(path)
+    path = write(tmp_path, BASE + "strategy:\n  pp: 1\n  recompute: auto\n")
+    assert "needs activation_budget" in config_error(path)
+    path = write(
+        tmp_path, BASE + "strategy:\n  pp: 1\n  recompute: auto\n  activation_budget: 6 gigs\n"
+    )
+    assert "'strategy.activation_budget'" in config_error(path)

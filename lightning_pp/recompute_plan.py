@@ -1,0 +1,386 @@
+"""``recompute="auto"``: per rank, the cheapest layers to recompute so that the schedule's peak
+of saved activations fits a byte budget.
+
+Three steps (:func:`plan_auto` runs them on every rank):
+
+1. **Probe** (:meth:`PipelineEngine.probe_step <lightning_pp.engine.PipelineEngine.probe_step>`):
+   the forward of microbatch 0 through the whole pipeline, gradients on, each layer measured by
+   :func:`measure_chunk`: the storages its forward saves for backward (keyed as the engine's
+   saved-bytes meter keys them), the tensor inputs a checkpoint of it would hold instead, and its
+   forward time.
+2. **Profile**: the schedule says how many microbatches of each local chunk hold their
+   activations after every action (+1 on ``F``, -1 on ``B``, and on ``W`` after a split
+   backward; a recomputing chunk's split backward frees at ``I``, see the engine).
+3. **Choose** (:func:`plan_rank`): for each chunk, every subset of its layers (a greedy chain
+   beyond :data:`EXACT_LAYERS` layers) gives the bytes one microbatch holds (the union of the
+   storages of the layers kept, and of the inputs of the layers recomputed) and the forward time
+   the recompute adds; the cheapest combination over the chunks whose peak
+   ``max over actions of sum_c inflight_c * bytes_c`` fits the budget wins. Under 1F1B rank r
+   holds p - r microbatches, so rank 0 recomputes the most and the last rank the least.
+
+If some rank does not fit even with the least-memory choice, every rank raises
+:class:`RecomputeBudgetError` before training, with the budget, the need and what would fit.
+
+Example (the pure part: one rank, two layers, measured bytes as storage-key dicts)::
+
+    probes = [[LayerProbe("layers.0", 0, {1: 100}, {0: 10}, 1e-3),
+               LayerProbe("layers.1", 1, {2: 100}, {3: 10}, 2e-3)]]
+    plan = plan_rank(build_schedule("1f1b", pp=2, microbatches=4), 0, probes, budget=300)
+    plan.positions  # [[0]]: layer 0 is the cheaper one to recompute; 2 x (10 + 100) <= 300
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .recompute import layer_names
+from .schedules import Op, Schedule
+
+if TYPE_CHECKING:
+    from .engine import PipelineEngine
+
+__all__ = [
+    "EXACT_LAYERS",
+    "LayerProbe",
+    "RankPlan",
+    "RecomputeBudgetError",
+    "RecomputePlan",
+    "format_bytes",
+    "inflight_profile",
+    "measure_chunk",
+    "plan_auto",
+    "plan_rank",
+]
+
+log = logging.getLogger("lightning_pp")
+
+#: chunks with at most this many layers try every subset; longer ones a greedy chain
+EXACT_LAYERS = 12
+
+
+class RecomputeBudgetError(ValueError):
+    """Even the least-memory recompute choice exceeds the activation budget on some rank."""
+
+
+@dataclass
+class LayerProbe:
+    """One layer's forward on one microbatch: ``saved`` and ``inputs`` map a storage key (as the
+    engine's meter keys it) to its bytes; ``forward_s`` is the layer's forward time."""
+
+    name: str
+    index: int | None
+    saved: dict[Any, int] = field(default_factory=dict)
+    inputs: dict[Any, int] = field(default_factory=dict)
+    forward_s: float = 0.0
+
+
+def _checkpoint_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """The tensors a checkpoint of this call holds through the saved-tensor hooks (as
+    :mod:`lightning_pp.recompute` passes them: a single tuple argument is flattened)."""
+    if len(args) == 1 and not kwargs and isinstance(args[0], (tuple, list)):
+        return [t for t in args[0] if isinstance(t, torch.Tensor)]
+    return [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+
+
+def measure_chunk(
+    chunk: nn.Module,
+    args: tuple[Any, ...],
+    key_fn: Callable[[torch.Tensor], tuple[Any, int] | None],
+) -> tuple[Any, list[LayerProbe]]:
+    """Run ``chunk(*args)`` (gradients on) and measure each pipeline layer: returns the output
+    and one :class:`LayerProbe` per layer (positions as :func:`~lightning_pp.recompute.
+    layer_names`). ``key_fn`` keys a tensor's storage like the engine's meter (``None``:
+    not counted, e.g. a parameter)."""
+    names = layer_names(chunk)
+    modules = [chunk.get_submodule(n) if n else chunk for n, _ in names]
+    probes = [LayerProbe(n, i) for n, i in names]
+    current: list[int | None] = [None]
+    started = [0.0]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if current[0] is not None:
+            counted = key_fn(t)
+            if counted is not None:
+                probes[current[0]].saved[counted[0]] = counted[1]
+        return t
+
+    def pre(i: int):
+        def hook(_m: nn.Module, a: tuple[Any, ...], kw: dict[str, Any]) -> None:
+            for t in _checkpoint_args(a, kw):
+                counted = key_fn(t)
+                if counted is not None:
+                    probes[i].inputs[counted[0]] = counted[1]
+            current[0] = i
+            started[0] = time.perf_counter()
+
+        return hook
+
+    def post(i: int):
+        def hook(_m: nn.Module, _a: Any, _kw: Any, _out: Any) -> None:
+            probes[i].forward_s += time.perf_counter() - started[0]
+            current[0] = None
+
+        return hook
+
+    handles = []
+    for i, m in enumerate(modules):
+        handles.append(m.register_forward_pre_hook(pre(i), with_kwargs=True))
+        handles.append(m.register_forward_hook(post(i), with_kwargs=True))
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = chunk(*args)
+    finally:
+        for h in handles:
+            h.remove()
+    return out, probes
+
+
+def chunk_bytes(probes: Sequence[LayerProbe], recomputed: Sequence[int] | set[int]) -> int:
+    """Bytes one microbatch of a chunk holds with the layers at ``recomputed`` positions
+    recomputed: the storages the other layers save, and the inputs the recomputed ones hold
+    (each storage once)."""
+    keys: dict[Any, int] = {}
+    chosen = set(recomputed)
+    for i, p in enumerate(probes):
+        keys.update(p.inputs if i in chosen else p.saved)
+    return sum(keys.values())
+
+
+def inflight_profile(
+    schedule: Schedule, rank: int, frees_at_i: Sequence[bool]
+) -> list[tuple[int, ...]]:
+    """Per action of ``rank`` (after it), the microbatches of each local chunk whose saved
+    activations are held: +1 on ``F``, -1 on ``B``; a split backward frees at ``W``, or at
+    ``I`` for a chunk in ``frees_at_i`` (a recomputing chunk: the engine runs its backward whole
+    in ``I``)."""
+    held = [0] * schedule.vpp
+    out = []
+    for a in schedule.ranks[rank]:
+        if a.op is Op.F:
+            held[a.chunk] += 1
+        elif a.op is Op.B or (a.op is Op.I and frees_at_i[a.chunk]):
+            held[a.chunk] -= 1
+        elif a.op is Op.W and not frees_at_i[a.chunk]:
+            held[a.chunk] -= 1
+        out.append(tuple(held))
+    return sorted(set(out))
+
+
+@dataclass(frozen=True)
+class _Option:
+    positions: tuple[int, ...]
+    nbytes: int
+    seconds: float
+
+
+def _chunk_options(probes: Sequence[LayerProbe]) -> list[_Option]:
+    """Candidate recompute sets of one chunk, each the least-bytes one for its cost (Pareto)."""
+    n = len(probes)
+    if n <= EXACT_LAYERS:
+        subsets: list[tuple[int, ...]] = [
+            c for k in range(n + 1) for c in itertools.combinations(range(n), k)
+        ]
+    else:  # greedy chain: add the layer that frees the most bytes per second of forward
+        subsets, chosen = [()], set()
+        while len(chosen) < n:
+            base = chunk_bytes(probes, chosen)
+
+            gains = {
+                i: (base - chunk_bytes(probes, chosen | {i})) / max(probes[i].forward_s, 1e-9)
+                for i in range(n)
+                if i not in chosen
+            }
+            chosen.add(max(gains, key=gains.__getitem__))
+            subsets.append(tuple(sorted(chosen)))
+    options = sorted(
+        (_Option(s, chunk_bytes(probes, s), sum(probes[i].forward_s for i in s)) for s in subsets),
+        key=lambda o: (o.seconds, o.nbytes, len(o.positions)),
+    )
+    frontier: list[_Option] = []
+    for o in options:  # cheapest first: keep each that holds fewer bytes than all cheaper ones
+        if not frontier or o.nbytes < frontier[-1].nbytes:
+            frontier.append(o)
+    return frontier
+
+
+def format_bytes(n: float) -> str:
+    """``1.50 MiB``-style size."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} GiB"  # pragma: no cover
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """One rank's choice: ``positions[c]`` the recomputed layer positions of local chunk ``c``
+    (``layers[c]`` their names or original indices); ``predicted_peak`` the schedule's peak of
+    saved bytes with it, ``none_peak``/``min_peak`` without recompute and with the least-memory
+    choice; ``added_s`` the forward time it adds per step (all microbatches)."""
+
+    rank: int
+    pp_rank: int
+    budget: int
+    positions: list[list[int]]
+    layers: list[list[int | str]]
+    predicted_peak: int
+    none_peak: int
+    min_peak: int
+    added_s: float
+    total_layers: int
+
+    @property
+    def fits(self) -> bool:
+        return self.predicted_peak <= self.budget
+
+    def describe(self) -> str:
+        chosen = [x for c in self.layers for x in c]
+        what = "none" if not chosen else ", ".join(str(x) for x in chosen)
+        return (
+            f"rank {self.rank} (pp_rank {self.pp_rank}): recompute {len(chosen)}/"
+            f"{self.total_layers} layers [{what}]; predicted peak "
+            f"{format_bytes(self.predicted_peak)} of {format_bytes(self.budget)} (no recompute "
+            f"{format_bytes(self.none_peak)}, least possible {format_bytes(self.min_peak)}); "
+            f"adds {self.added_s * 1e3:.2f} ms forward per step"
+        )
+
+
+def plan_rank(
+    schedule: Schedule,
+    pp_rank: int,
+    probes: Sequence[Sequence[LayerProbe]],
+    budget: int,
+    *,
+    rank: int | None = None,
+) -> RankPlan:
+    """The cheapest recompute choice of one rank whose predicted peak fits ``budget``; if none
+    fits, the least-memory choice (``fits`` is then false)."""
+    split = schedule.split_backward
+    per_chunk = [_chunk_options(p) for p in probes]
+    profiles: dict[tuple[bool, ...], list[tuple[int, ...]]] = {}
+
+    def peak(combo: Sequence[_Option]) -> int:
+        frees = tuple(split and bool(o.positions) for o in combo)
+        if frees not in profiles:
+            profiles[frees] = inflight_profile(schedule, pp_rank, frees)
+        return max(
+            (sum(n * o.nbytes for n, o in zip(state, combo)) for state in profiles[frees]),
+            default=0,
+        )
+
+    best: tuple[float, int, tuple[_Option, ...]] | None = None
+    least: tuple[int, float, tuple[_Option, ...]] | None = None
+    for combo in itertools.product(*per_chunk):
+        p = peak(combo)
+        t = sum(o.seconds for o in combo)
+        if least is None or (p, t) < least[:2]:
+            least = (p, t, combo)
+        if p <= budget and (best is None or (t, p) < best[:2]):
+            best = (t, p, combo)
+    assert least is not None
+    none_peak = peak(tuple(opts[0] for opts in per_chunk))
+    if best is not None:
+        seconds, predicted, combo = best
+    else:
+        predicted, seconds, combo = least
+    return RankPlan(
+        rank=pp_rank if rank is None else rank,
+        pp_rank=pp_rank,
+        budget=budget,
+        positions=[list(o.positions) for o in combo],
+        layers=[
+            [
+                probes[c][i].index if probes[c][i].index is not None else probes[c][i].name
+                for i in o.positions
+            ]
+            for c, o in enumerate(combo)
+        ],
+        predicted_peak=predicted,
+        none_peak=none_peak,
+        min_peak=least[0],
+        added_s=seconds * schedule.microbatches,
+        total_layers=sum(len(p) for p in probes),
+    )
+
+
+@dataclass(frozen=True)
+class RecomputePlan:
+    """Every rank's :class:`RankPlan` (global rank order) under one budget."""
+
+    budget: int
+    schedule: str
+    ranks: list[RankPlan]
+
+    def describe(self) -> list[str]:
+        head = (
+            f"recompute auto: activation budget {format_bytes(self.budget)} per rank, "
+            f"schedule {self.schedule}"
+        )
+        return [head, *(f"  {r.describe()}" for r in self.ranks)]
+
+    def mine(self, rank: int) -> RankPlan:
+        return next(r for r in self.ranks if r.rank == rank)
+
+
+def _budget_error(plan: RecomputePlan, schedule: Schedule) -> RecomputeBudgetError:
+    bad = [r for r in plan.ranks if not r.fits]
+    worst = max(bad, key=lambda r: r.min_peak)
+    lines = [
+        f"recompute='auto': activation_budget {format_bytes(plan.budget)} ({plan.budget} bytes) "
+        f"does not fit on {len(bad)} rank(s) even with the least-memory recompute choice: "
+        + "; ".join(
+            f"rank {r.rank} (pp_rank {r.pp_rank}) needs at least {format_bytes(r.min_peak)} "
+            f"({r.min_peak} bytes; {format_bytes(r.none_peak)} without recompute)"
+            for r in bad
+        ),
+        f"what would fit: an activation_budget of at least {format_bytes(worst.min_peak)}; or "
+        f"more microbatches (now {schedule.microbatches}: each holds a smaller share of the "
+        f"batch); or more pipeline stages (now pp={schedule.pp}: fewer layers per rank); or a "
+        f"schedule that holds fewer microbatches in flight (now '{schedule.name}'; 1f1b and "
+        f"zb-h1 hold at most pp - rank, gpipe holds all {schedule.microbatches})",
+    ]
+    return RecomputeBudgetError("\n".join(lines))
+
+
+def plan_auto(
+    engine: PipelineEngine,
+    batch: Any,
+    budget: int,
+    *,
+    probes: list[list[LayerProbe]] | None = None,
+) -> RecomputePlan:
+    """Probe, plan every rank under ``budget``, check that every rank fits, and apply this
+    rank's choice to ``engine``. Collective: every rank of the job calls it with the same batch
+    shape it trains on. Logs the plan (logger ``lightning_pp``) on global rank 0. ``probes``:
+    this rank's measurements from an earlier ``engine.probe_step`` (re-planning under another
+    budget needs no new probe).
+
+    Raises:
+        RecomputeBudgetError: on every rank, when some rank does not fit.
+    """
+    if probes is None:
+        probes = engine.probe_step(batch)
+    mine = plan_rank(engine.schedule, engine.pp_rank, probes, budget, rank=engine.rank)
+    plans = [mine]
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine)
+        plans = list(gathered)
+    plan = RecomputePlan(budget, engine.schedule.name, plans)
+    if not all(r.fits for r in plans):
+        raise _budget_error(plan, engine.schedule)
+    engine.set_recompute_positions(mine.positions)
+    if engine.rank == 0:
+        for line in plan.describe():
+            log.info(line)
+    return plan

@@ -1,0 +1,247 @@
+"""Activation recompute on the engine: gradients equal the run without recompute.
+
+One spawned world of 4 ranks (pp=2 cases: two pipelines, dp=2, each on its own data) runs every
+case. Each case trains the same model twice on each rank, without and with recompute, from the
+same weights and the same RNG seed before every step, so dropout draws the same masks: the loss
+and every gradient must agree to fp32 rounding (relative <= 1e-6; in practice bitwise, since
+checkpoint restores the RNG state for the recompute). The model has tuple activations
+(hidden, int64 mask), dropout and a weight tied between two blocks.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from distributed import run_distributed
+from engine_models import VOCAB, Embed, Head, mse_loss, rel_err, tuple_batch, tuple_input_fn
+from torch import nn
+
+from lightning_pp.engine import PipelineEngine
+from lightning_pp.partition import PipelineChunk, partition_layers
+from lightning_pp.recompute import Selective, parse_bytes, parse_recompute
+from lightning_pp.schedules import build_schedule
+from lightning_pp.topology import PipelineTopology, build_process_groups
+
+WORLD = 4
+DIM = 8
+TOL = 1e-6
+STEPS = 1
+
+
+class Attn(nn.Module):
+    """Stands in for attention: the 'selective' recompute target."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.proj = nn.Linear(dim, dim)
+        self.drop = nn.Dropout(0.2)
+
+    def forward(self, h):
+        return self.drop(torch.softmax(self.proj(h), dim=-1) * h)
+
+
+class DBlock(nn.Module):
+    """Residual block with dropout; counts its forward calls (a recompute calls it again)."""
+
+    calls = 0
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.attn = Attn(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.Tanh(), nn.Linear(2 * dim, dim))
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x):
+        DBlock.calls += 1
+        h, mask = x
+        m = mask.unsqueeze(-1).to(h.dtype)
+        h = h + self.attn(h) * m
+        h = h + self.drop(self.mlp(h)) * m
+        return h, mask
+
+
+def model_layers(seed: int, blocks: int = 6) -> list[nn.Module]:
+    torch.manual_seed(seed)
+    layers = [Embed(VOCAB, DIM), *[DBlock(DIM) for _ in range(blocks)], Head(DIM)]
+    layers[4].attn.proj.weight = layers[1].attn.proj.weight  # tied (one rank under some shapes)
+    return layers
+
+
+def local_chunks(layers, schedule, pp_rank):
+    """This rank's chunks over ONE deep copy of the whole list (ties within the rank survive)."""
+    layers = copy.deepcopy(layers)
+    ranges = partition_layers(len(layers), schedule.pp, schedule.vpp)
+    return [
+        PipelineChunk([layers[i] for i in ranges[s]], ranges[s])
+        for s in schedule.stages_of(pp_rank)
+    ]
+
+
+def _case(schedule, pp, mode, m=4, vpp=None):
+    vpp = vpp or (2 if schedule in ("interleaved", "zbv") else 1)
+    return dict(
+        id=f"{schedule}-pp{pp}-{mode}-m{m}", schedule=schedule, pp=pp, vpp=vpp, m=m, mode=mode
+    )
+
+
+MODES = {"full": "full", "selective": "selective:attn", "layers": [0, 2, 5, 7]}
+CASES = [
+    _case(s, pp, mode)
+    for s in ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")
+    for pp in (2, 4)
+    for mode in ("full", "selective")
+] + [_case("1f1b", 2, "layers"), _case("interleaved", 2, "layers", m=4)]
+
+
+def _grads(chunks):
+    return {
+        f"{c}.{n}": p.grad.clone()
+        for c, chunk in enumerate(chunks)
+        for n, p in chunk.named_parameters()
+        if p.grad is not None
+    }
+
+
+def _run(rank, case, groups_cache):
+    pp = case["pp"]
+    topo = PipelineTopology.from_world(WORLD, rank, pp)
+    if pp not in groups_cache:
+        groups_cache[pp] = build_process_groups(topo)
+    schedule = build_schedule(case["schedule"], pp=pp, microbatches=case["m"], vpp=case["vpp"])
+    layers = model_layers(7)
+    batches = [tuple_batch(50 + 10 * topo.dp_rank + s, 8, 5) for s in range(STEPS)]
+    out = {"pp_rank": topo.pp_rank, "err": 0.0, "worst": "", "missing": []}
+    runs = {}
+    for mode in (None, MODES[case["mode"]]):
+        chunks = local_chunks(layers, schedule, topo.pp_rank)
+        engine = PipelineEngine(
+            chunks,
+            schedule,
+            topo,
+            groups_cache[pp],
+            loss_fn=mse_loss("mean"),
+            input_fn=tuple_input_fn,
+            measure_memory=True,
+            recompute=mode,
+        )
+        opt = torch.optim.SGD([p for c in chunks for p in c.parameters()], lr=0.1)
+        losses, grads, peaks, calls = [], [], [], []
+        for s, batch in enumerate(batches):
+            torch.manual_seed(1000 + 17 * s + rank)
+            DBlock.calls = 0
+            res = engine.train_step(batch)
+            calls.append(DBlock.calls)
+            losses.append(res.loss.item())
+            grads.append(_grads(chunks))
+            peaks.append(res.record.peak_saved_bytes)
+            opt.step()
+            opt.zero_grad()
+        DBlock.calls = 0
+        ev = engine.eval_step(batches[0])
+        runs[mode is not None] = dict(
+            losses=losses,
+            grads=grads,
+            peak=max(peaks),
+            calls=calls,
+            eval=ev.loss.item(),
+            eval_calls=DBlock.calls,
+            targets=[[n for n, _ in t] for t in engine.recompute_targets],
+        )
+    base, rc = runs[False], runs[True]
+    for a, b in zip(rc["losses"], base["losses"]):
+        out["err"] = max(out["err"], abs(a - b) / max(abs(b), 1e-12))
+    for s, (ga, gb) in enumerate(zip(rc["grads"], base["grads"])):
+        if ga.keys() != gb.keys():
+            out["missing"].append(f"step {s}: {sorted(ga.keys() ^ gb.keys())}")
+        for k in ga.keys() & gb.keys():
+            e = rel_err(ga[k], gb[k])
+            if e > out["err"]:
+                out["err"], out["worst"] = e, f"step {s} {k}"
+    out.update(
+        peak=(base["peak"], rc["peak"]),
+        calls=(base["calls"], rc["calls"]),
+        eval=(base["eval"], rc["eval"]),
+        eval_calls=(base["eval_calls"], rc["eval_calls"]),
+        targets=rc["targets"],
+        blocks=sum(
+            isinstance(layer, DBlock)
+            for c in local_chunks(layers, schedule, topo.pp_rank)
+            for layer in c.layers
+        ),
+    )
+    return out
+
+
+def _worker(rank, world_size, cases):
+    groups_cache: dict = {}
+    return {case["id"]: _run(rank, case, groups_cache) for case in cases}
+
+
+@pytest.fixture(scope="module")
+def world4():
+    return run_distributed(_worker, WORLD, CASES, timeout=240)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c["id"] for c in CASES])
+def test_recompute_matches_no_recompute(world4, case):
+    for rank, res in enumerate(world4):
+        r = res[case["id"]]
+        assert not r["missing"], f"rank {rank}: gradients present in one run only: {r['missing']}"
+        assert r["err"] <= TOL, f"rank {rank}: relative error {r['err']:.3g} at {r['worst']}"
+        assert r["eval"][0] == r["eval"][1], f"rank {rank}: eval loss {r['eval']}"
+        # eval never recomputes: the blocks run once per microbatch in both engines
+        assert r["eval_calls"][0] == r["eval_calls"][1], f"rank {rank}: {r['eval_calls']}"
+        if r["blocks"]:
+            assert any(r["targets"]), f"rank {rank}: nothing selected: {r['targets']}"
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c["mode"] == "full"], ids=lambda c: c["id"])
+def test_full_recompute_runs_each_forward_once_more(world4, case):
+    """Once per microbatch, also under a split backward (I then W): never twice."""
+    for rank, res in enumerate(world4):
+        r = res[case["id"]]
+        base, rc = r["calls"]
+        assert [2 * b for b in base] == rc, f"rank {rank}: block forwards {base} -> {rc}"
+        if r["blocks"]:
+            assert r["peak"][1] < r["peak"][0], f"rank {rank}: peak saved bytes {r['peak']}"
+
+
+def test_parse_values():
+    assert parse_recompute(None) is None
+    assert parse_recompute("full") == "full"
+    assert parse_recompute("selective:attn*") == Selective("attn*")
+    assert parse_recompute([5, 1, 1]) == (1, 5)
+    for bad in ("fully", 3, [1.5], [-1], "selective:"):
+        with pytest.raises(ValueError, match="recompute"):
+            parse_recompute(bad)
+    assert parse_bytes("6GiB") == 6 * 2**30
+    assert parse_bytes("2 MB") == 2_000_000
+    for bad in ("6 GiBs", -1, "0", True, "lots"):
+        with pytest.raises(ValueError, match="activation_budget"):
+            parse_bytes(bad)
+
+
+def test_rng_restored_bitwise_on_cpu():
+    """checkpoint(preserve_rng_state=True) redraws the same dropout masks in backward."""
+    from torch.utils.checkpoint import checkpoint
+
+    block = DBlock(DIM).train()
+    h = torch.randn(3, 5, DIM)
+    mask = torch.ones(3, 5, dtype=torch.long)
+    grads = []
+    for use_ckpt in (False, True):
+        x = h.clone().requires_grad_()
+        torch.manual_seed(3)
+        if use_ckpt:
+            y = checkpoint(block, (x, mask), use_reentrant=False, preserve_rng_state=True)[0]
+        else:
+            y = block((x, mask))[0]
+        y.square().sum().backward()
+        grads.append((x.grad, block.attn.proj.weight.grad.clone()))
+        block.zero_grad()
+    assert torch.equal(grads[0][0], grads[1][0])
+    assert torch.equal(grads[0][1], grads[1][1])
+    assert dist.is_available()

@@ -1,0 +1,128 @@
+"""``recompute="auto"``: the planner's predicted peak of saved activation bytes per rank matches
+the engine's meter (within 10 %) and stays within the budget, over budgets from "no recompute
+needed" to "the least-memory choice barely fits", on gpipe, 1f1b and interleaved (pp=4, one
+spawned world). No wall-time assertions: the forward times only rank the layers.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from distributed import run_distributed
+from engine_models import mse_loss, tuple_batch, tuple_input_fn
+from test_recompute import local_chunks, model_layers
+
+from lightning_pp.engine import PipelineEngine
+from lightning_pp.recompute_plan import (
+    LayerProbe,
+    RecomputeBudgetError,
+    chunk_bytes,
+    inflight_profile,
+    plan_auto,
+    plan_rank,
+)
+from lightning_pp.schedules import build_schedule
+from lightning_pp.topology import PipelineTopology, build_process_groups
+
+WORLD = PP = 4
+M = 8
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+BUDGETS = 5
+
+
+def _run(rank, name, groups):
+    topo = PipelineTopology.from_world(WORLD, rank, PP)
+    schedule = build_schedule(name, pp=PP, microbatches=M, vpp=2 if name == "interleaved" else 1)
+    chunks = local_chunks(model_layers(3, blocks=10), schedule, topo.pp_rank)
+    engine = PipelineEngine(
+        chunks,
+        schedule,
+        topo,
+        groups,
+        loss_fn=mse_loss("mean"),
+        input_fn=tuple_input_fn,
+        measure_memory=True,
+    )
+    batch = tuple_batch(11, 16, 6)
+    probes = engine.probe_step(batch)
+    wide = plan_auto(engine, batch, 10**15, probes=probes)
+    most = max(r.none_peak for r in wide.ranks)
+    least = max(r.min_peak for r in wide.ranks)
+    budgets = [int(least + (most - least) * k / (BUDGETS - 1)) for k in range(BUDGETS)]
+    out = {"budgets": budgets, "runs": []}
+    for budget in budgets:
+        plan = plan_auto(engine, batch, budget, probes=probes)
+        mine = plan.mine(rank)
+        torch.manual_seed(5)
+        res = engine.train_step(batch)
+        for p in engine.chunks[0].parameters():
+            p.grad = None
+        out["runs"].append(
+            dict(
+                budget=budget,
+                predicted=mine.predicted_peak,
+                measured=res.record.peak_saved_bytes,
+                recomputed=[sum(len(c) for c in r.positions) for r in plan.ranks],
+            )
+        )
+    try:
+        plan_auto(engine, batch, max(1, least // 2), probes=probes)
+        out["error"] = None
+    except RecomputeBudgetError as e:
+        out["error"] = str(e)
+    return out
+
+
+def _worker(rank, world_size):
+    groups = build_process_groups(PipelineTopology.from_world(WORLD, rank, PP))
+    return {name: _run(rank, name, groups) for name in SCHEDULES}
+
+
+@pytest.fixture(scope="module")
+def world4():
+    return run_distributed(_worker, WORLD, timeout=240)
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_prediction_matches_meter_and_budget(world4, name):
+    budgets = world4[0][name]["budgets"]
+    assert len(set(budgets)) == BUDGETS, budgets
+    for rank, res in enumerate(world4):
+        for run in res[name]["runs"]:
+            pred, got, budget = run["predicted"], run["measured"], run["budget"]
+            where = f"rank {rank} budget {budget}: predicted {pred}, measured {got}"
+            assert abs(got - pred) <= 0.10 * pred, where
+            assert got <= budget, where
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_plan_recomputes_more_on_early_ranks(world4, name):
+    runs = world4[0][name]["runs"]
+    assert runs[-1]["recomputed"] == [0] * PP  # the no-recompute peak fits: nothing to do
+    assert sum(runs[0]["recomputed"]) > 0
+    for run in runs:
+        assert run["recomputed"][0] >= run["recomputed"][-1], run
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_budget_below_least_fails_on_every_rank(world4, name):
+    for rank, res in enumerate(world4):
+        err = res[name]["error"]
+        assert err is not None, f"rank {rank}: no error"
+        assert "needs at least" in err and "activation_budget" in err and "microbatches" in err
+
+
+def test_plan_rank_pure():
+    probes = [
+        [
+            LayerProbe("layers.0", 0, {1: 100}, {0: 10}, 1e-3),
+            LayerProbe("layers.1", 1, {2: 100}, {3: 10}, 2e-3),
+        ]
+    ]
+    s = build_schedule("1f1b", pp=2, microbatches=4)
+    assert inflight_profile(s, 0, [False])[-1] == (2,)
+    assert chunk_bytes(probes[0], {0}) == 110
+    plan = plan_rank(s, 0, probes, budget=300)
+    assert plan.positions == [[0]] and plan.predicted_peak == 220 and plan.fits
+    assert plan_rank(s, 1, probes, budget=300).positions == [[]]  # holds one microbatch
+    assert not plan_rank(s, 0, probes, budget=10).fits
