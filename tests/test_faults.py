@@ -453,6 +453,41 @@ def test_trainer_job_ends_when_a_callback_raises_on_one_rank(tmp_path):
     )
 
 
+def test_trainer_job_prints_the_cause_once(tmp_path):
+    """Issue 13 item 8: a layer raising on rank 1 of 3 printed ~350 lines: three chained
+    tracebacks from rank 1 and a ~100-line traceback from each of ranks 0 and 2 ending in their
+    PipelineAborted. The cause must show once (rank 1's traceback); every other rank says one
+    ``PipelineAborted`` line naming rank 1."""
+    import sys
+
+    from jobs import run_job
+
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONPATH": SCRIPTS + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        "FAULT_CKPT_DIR": str(tmp_path),
+    }
+    cmd = [sys.executable, os.path.join(SCRIPTS, "fault_trainer.py"), "1", "layer"]
+    result = run_job(cmd, env=env, cwd=tmp_path, timeout=240)
+    out = result.output
+    if result.timed_out:
+        pytest.fail(f"the job did not end after one rank failed:\n{out[-6000:]}")
+    assert result.returncode != 0, out[-4000:]
+    lines = out.splitlines()
+    tracebacks = [ln for ln in lines if "Traceback (most recent call last)" in ln]
+    assert len(tracebacks) == 1 and tracebacks[0].startswith("[rank1]"), out[-6000:]
+    cause = "injected failure on rank 1 in a layer forward"
+    assert any(cause in ln for ln in lines), out[-6000:]
+    assert all(ln.startswith("[rank1]") for ln in lines if cause in ln), out[-6000:]
+    for r in (0, 2):  # the ranks stopped by rank 1's failure: one short line each
+        said = [ln for ln in lines if ln.startswith(f"[rank{r}]")]
+        assert len(said) == 1, f"rank {r} printed {len(said)} lines:\n" + "\n".join(said[:40])
+        assert f"PipelineAborted: rank {r}: " in said[0], said[0]
+        assert "because rank 1 failed first" in said[0], said[0]
+
+
 # ---- collectives outside the pipeline: data-parallel, tied weights, Lightning's -----------------
 
 # broadcast last: its source stops after the size message, the others then wait for the payload
