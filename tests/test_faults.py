@@ -420,18 +420,23 @@ def test_aborted_error_is_importable_from_failure():
 SCRIPTS = os.path.join(os.path.dirname(__file__), "scripts")
 
 
-def test_trainer_job_ends_when_a_callback_raises_on_one_rank(tmp_path):
-    import sys
-
-    from jobs import kill_group, run_job, wait_group_gone
-
-    env = {
+def _trainer_job_env(tmp_path) -> dict[str, str]:
+    """The environment of a ``fault_trainer.py`` job: its scripts importable, one thread."""
+    return {
         **os.environ,
         "OMP_NUM_THREADS": "1",
         "PYTHONUNBUFFERED": "1",
         "PYTHONPATH": SCRIPTS + os.pathsep + os.environ.get("PYTHONPATH", ""),
         "FAULT_CKPT_DIR": str(tmp_path),
     }
+
+
+def test_trainer_job_ends_when_a_callback_raises_on_one_rank(tmp_path):
+    import sys
+
+    from jobs import kill_group, run_job, wait_group_gone
+
+    env = _trainer_job_env(tmp_path)
     cmd = [sys.executable, os.path.join(SCRIPTS, "fault_trainer.py"), "1", "callback"]
     # kill_leftovers=False: whether the job cleans up by itself is what is checked below
     result = run_job(cmd, env=env, cwd=tmp_path, timeout=240, kill_leftovers=False)
@@ -462,13 +467,7 @@ def test_trainer_job_prints_the_cause_once(tmp_path):
 
     from jobs import run_job
 
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "PYTHONUNBUFFERED": "1",
-        "PYTHONPATH": SCRIPTS + os.pathsep + os.environ.get("PYTHONPATH", ""),
-        "FAULT_CKPT_DIR": str(tmp_path),
-    }
+    env = _trainer_job_env(tmp_path)
     cmd = [sys.executable, os.path.join(SCRIPTS, "fault_trainer.py"), "1", "layer"]
     result = run_job(cmd, env=env, cwd=tmp_path, timeout=240)
     out = result.output
