@@ -91,10 +91,22 @@ class Throughput:
     def __init__(self, window: int = 10) -> None:
         self.window = window
         self._marks: deque[tuple[float, int]] = deque(maxlen=window + 1)
+        self._pending = 0
 
     def add(self, now: float, tokens: int) -> None:
         """A batch of ``tokens`` ended at ``now`` (the first mark only starts the clock)."""
         self._marks.append((now, tokens))
+
+    def batch_start(self, now: float, tokens: int) -> None:
+        """A training batch of ``tokens`` begins at ``now``: start the clock if it is not
+        running (the first batch, or the first after a validation)."""
+        self._pending = tokens
+        if not self._marks:
+            self.add(now, 0)
+
+    def batch_end(self, now: float) -> None:
+        """The batch begun by :meth:`batch_start` ended at ``now``."""
+        self.add(now, self._pending)
 
     def restart(self) -> None:
         """Forget the clock (after validation: evaluation time is not training throughput)."""
@@ -184,17 +196,14 @@ class PipelineProgressBar(TQDMProgressBar):
         super().__init__(refresh_rate=refresh_rate, **kwargs)
         self.print_every = print_every
         self._throughput = Throughput()
-        self._tokens = 0
 
     @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
-        self._tokens = batch_tokens(batch) * data_parallel_size(trainer)
-        self._throughput.window = _log_interval(trainer)
-        if self._throughput.rate() is None and not self._throughput._marks:
-            self._throughput.add(time.perf_counter(), 0)
+        tokens = batch_tokens(batch) * data_parallel_size(trainer)
+        self._throughput.batch_start(time.perf_counter(), tokens)
 
     @override
     def on_train_batch_end(
@@ -205,7 +214,7 @@ class PipelineProgressBar(TQDMProgressBar):
         batch: Any,
         batch_idx: int,
     ) -> None:
-        self._throughput.add(time.perf_counter(), self._tokens)
+        self._throughput.batch_end(time.perf_counter())
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         step = trainer.global_step
         every = self.print_every if self.print_every is not None else _log_interval(trainer)
@@ -254,7 +263,6 @@ class PlainProgress(ProgressBar):
         super().__init__()
         self._enabled = True
         self._throughput = Throughput()
-        self._tokens = 0
         self._t_start: float | None = None
         self._printed_step = -1
 
@@ -279,10 +287,8 @@ class PlainProgress(ProgressBar):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        self._tokens = batch_tokens(batch) * data_parallel_size(trainer)
-        self._throughput.window = _log_interval(trainer)
-        if not self._throughput._marks:
-            self._throughput.add(time.perf_counter(), 0)
+        tokens = batch_tokens(batch) * data_parallel_size(trainer)
+        self._throughput.batch_start(time.perf_counter(), tokens)
 
     @override
     def on_train_batch_end(
@@ -293,7 +299,7 @@ class PlainProgress(ProgressBar):
         batch: Any,
         batch_idx: int,
     ) -> None:
-        self._throughput.add(time.perf_counter(), self._tokens)
+        self._throughput.batch_end(time.perf_counter())
         step = trainer.global_step
         last = 0 < trainer.max_steps <= step
         if not self._enabled or step == self._printed_step:
