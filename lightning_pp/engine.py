@@ -157,9 +157,10 @@ class PipelineEngine:
             ``None``, ``"full"``, layer indices, or a
             :class:`~lightning_pp.recompute.Selective` (see :mod:`lightning_pp.recompute`;
             ``"auto"`` is resolved by :func:`lightning_pp.recompute_plan.plan_auto`, which
-            calls :meth:`set_recompute_positions`). Under a split backward (``I``/``W``), a
-            chunk that recomputes anything runs its whole backward in ``I`` (``W`` is a no-op):
-            torch's checkpoint would otherwise recompute the forward again for ``W``.
+            calls :meth:`set_recompute_positions`). Under a split backward (``I``/``W``) each
+            recomputed region runs its forward again once, in ``I``, and keeps the result for
+            ``W`` (:class:`~lightning_pp.recompute.RecomputeOnce`; torch's checkpoint would
+            recompute a second time for ``W``).
 
     The batch given to ``train_step``/``eval_step`` must already be on ``device``; every rank of
     a pipeline gets the same batch (the first stage reads inputs, the last stage the targets).

@@ -28,7 +28,7 @@ import torch
 from .microbatch import batch_size_of, split_microbatches
 from .p2p import ACT, GRAD, Message, PendingRecv, RecvRequest, SendQueue, Spec, format_specs
 from .p2p_order import message_order
-from .recompute import recompute_active
+from .recompute import RecomputeOnce, recompute_active
 from .recompute_plan import LayerProbe, measure_chunk
 from .records import StepRecorder
 from .schedules import Action, Op, Schedule
@@ -90,6 +90,8 @@ class _Entry:
     out_specs: list[Spec]  # every floating output's spec
     saved_bytes: int = 0
     held: list[tuple[_Key, int]] = field(default_factory=list)  # (key, bytes) of each tensor
+    saved_keys: dict[Any, int] = field(default_factory=dict)  # the meter's storages of saved_bytes
+    frames: list[RecomputeOnce] = field(default_factory=list)  # recomputed regions (split only)
 
 
 class Stash:
@@ -130,12 +132,11 @@ class Stash:
         self._drop(entry.held)
         return entry
 
-    def defer(self, chunk: int, entry: _Entry, work: WeightWork, *, freed: bool = False) -> None:
-        """After ``I`` popped ``entry``: it stays in flight, its saved bytes counted, until its
-        ``W`` (the retained graph holds the activations until then); its stashed inputs and
-        outputs are no longer held here. ``freed``: the backward ran whole in ``I`` and its
-        graph is gone (a recomputing chunk): in flight until ``W``, but holding no bytes."""
-        saved = 0 if freed else entry.saved_bytes
+    def defer(self, chunk: int, entry: _Entry, work: WeightWork, *, saved: int) -> None:
+        """After ``I`` popped ``entry``: it stays in flight, holding ``saved`` bytes (what its
+        forward saved, plus what a recompute at ``I`` refilled), until its ``W`` (the retained
+        graph holds the activations until then); its stashed inputs and outputs are no longer
+        held here."""
         self.deferred[chunk].append((entry.mb, saved, work))
         self.inflight += 1
         self.saved_bytes += saved
@@ -346,6 +347,7 @@ class StepRun:
             )
             x = inputs if arrived.is_tuple else inputs[0]
         saved: dict[Any, int] = {}
+        frames: list[RecomputeOnce] = []
         args = (x, microbatch) if engine.chunk_gets_microbatch else (x,)
         try:
             if self.probes is not None:
@@ -353,7 +355,9 @@ class StepRun:
                     out, self.probes[c] = measure_chunk(engine.chunks[c], args, self._saved_key)
                 out = _detached(out)  # the graph was measured; nothing goes backward
             elif self.train and engine.recomputes(c):
-                with recompute_active(engine.recompute_targets):
+                with recompute_active(
+                    engine.recompute_targets, split=engine.schedule.split_backward
+                ) as frames:
                     out = self._run_chunk(c, args, saved)
             else:
                 out = self._run_chunk(c, args, saved)
@@ -372,7 +376,7 @@ class StepRun:
                 check.batch_input(action, x)
             check.forward_output(action, out, x)
         if place.last:
-            self._add_loss(action, out, microbatch, inputs, sum(saved.values()))
+            self._add_loss(action, out, microbatch, inputs, saved, frames)
             return []
         outs, is_tuple = _as_tuple(out, f"output of chunk {c} (stage {s})")
         if self.train:
@@ -385,6 +389,8 @@ class StepRun:
                 grad_idx,
                 [(tuple(t.shape), t.dtype) for t in floating],
                 sum(saved.values()),
+                saved_keys=saved,
+                frames=frames,
             )
             self.stash.push(c, entry)
         return [Message(ACT, place.next_rank, s + 1, mb, outs, is_tuple)]
@@ -395,7 +401,8 @@ class StepRun:
         out: Any,
         microbatch: Any,
         inputs: tuple[torch.Tensor, ...],
-        saved_bytes: int,
+        saved: dict[Any, int],
+        frames: list[RecomputeOnce],
     ) -> None:
         """Last stage: the microbatch's loss, scaled into the step loss (and stashed)."""
         engine = self.engine
@@ -413,7 +420,17 @@ class StepRun:
             self.outputs[action.mb] = out.detach() if isinstance(out, torch.Tensor) else out
         if self.train:
             self.stash.push(
-                action.chunk, _Entry(action.mb, inputs, (scaled,), [0], [], saved_bytes)
+                action.chunk,
+                _Entry(
+                    action.mb,
+                    inputs,
+                    (scaled,),
+                    [0],
+                    [],
+                    sum(saved.values()),
+                    saved_keys=saved,
+                    frames=frames,
+                ),
             )
 
     def _run_chunk(self, c: int, args: tuple[Any, ...], saved: dict[Any, int]) -> Any:
@@ -463,19 +480,12 @@ class StepRun:
         else:
             all_grads = received[0].tensors if received else ()
             grads = tuple(all_grads[i] for i in entry.grad_positions)
-        if action.op is Op.I and self.engine.recomputes(c):
-            # torch's checkpoint recomputes per backward call and frees each recomputed tensor
-            # as it is used, so a W after this I would run the forward a second time (and
-            # under a GraphExecGroup it fails instead). So the whole backward runs here, with
-            # one recompute, and W is a no-op; the graph is freed now.
-            fused_backward(tensors, grads)
-            work = WeightWork(fused=True, reason="recompute")
-            self.stash.defer(c, entry, work, freed=True)
-            got = [t.grad for t in entry.inputs if t.is_floating_point()]
-        elif action.op is Op.I:
+        if action.op is Op.I:
             # Input gradient only; what W needs waits in the chunk's W queue (FIFO like I's).
+            # A recomputed region (RecomputeOnce) runs its forward again here, once, and keeps
+            # the result for W: from now until W the microbatch holds those tensors too.
             dx, work = backward_input(tensors, grads, entry.inputs)
-            self.stash.defer(c, entry, work)
+            self.stash.defer(c, entry, work, saved=entry.saved_bytes + self._recomputed(entry))
             got = [g for t, g in zip(entry.inputs, dx) if t.is_floating_point()]
         else:
             fused_backward(tensors, grads)
@@ -489,6 +499,19 @@ class StepRun:
         if self.engine.finite_checker is not None:
             self.engine.finite_checker.input_grads(action, in_grads)
         return [Message(GRAD, place.prev_rank, place.stage - 1, mb, in_grads, True)]
+
+    def _recomputed(self, entry: _Entry) -> int:
+        """Bytes the entry's recomputed regions hold after ``I`` (storages its forward did not
+        already count), for the memory meter."""
+        if not entry.frames or not self.engine.measure_memory:
+            return 0
+        extra: dict[Any, int] = {}
+        for frame in entry.frames:
+            for t in frame.held():
+                counted = self._saved_key(t)
+                if counted is not None and counted[0] not in entry.saved_keys:
+                    extra[counted[0]] = counted[1]
+        return sum(extra.values())
 
     def _weight_backward(self, action: Action) -> None:
         """W: the weight gradients of the chunk's oldest I (FIFO), then its graph is freed."""

@@ -48,16 +48,18 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import re
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, get_device_states, set_device_states
 
 __all__ = [
+    "RecomputeOnce",
     "RecomputeSpec",
     "Selective",
     "install_recompute",
@@ -244,17 +246,31 @@ def install_targets(targets: Targets) -> Targets:
     return targets
 
 
-# The modules (by id) that checkpoint in the current training forward.
-_ACTIVE: ContextVar[frozenset[int]] = ContextVar("lightning_pp_recompute", default=frozenset())
+@dataclass
+class _Active:
+    ids: frozenset[int] = frozenset()
+    split: bool = False
+    frames: list[RecomputeOnce] = field(default_factory=list)
+
+
+# The modules (by id) that checkpoint in the current training forward, whether their recompute
+# must serve two backward calls (a split backward: I, then W), and the frames it made.
+_ACTIVE: ContextVar[_Active | None] = ContextVar("lightning_pp_recompute", default=None)
 
 
 @contextlib.contextmanager
-def recompute_active(targets: Sequence[Sequence[tuple[str, nn.Module]]]) -> Iterator[None]:
+def recompute_active(
+    targets: Sequence[Sequence[tuple[str, nn.Module]]], *, split: bool = False
+) -> Iterator[list[RecomputeOnce]]:
     """Inside: the modules in ``targets`` checkpoint (the engine enters it for training
-    forwards only)."""
-    token = _ACTIVE.set(frozenset(id(m) for picked in targets for _, m in picked))
+    forwards only). ``split``: the backward of this forward runs in two calls, ``I`` then
+    ``W`` (zero-bubble schedules); each region then recomputes once and keeps the result for
+    ``W`` (:class:`RecomputeOnce`) instead of using ``torch.utils.checkpoint``. Yields the list
+    of :class:`RecomputeOnce` frames the forward creates (empty unless ``split``)."""
+    state = _Active(frozenset(id(m) for picked in targets for _, m in picked), split)
+    token = _ACTIVE.set(state)
     try:
-        yield
+        yield state.frames
     finally:
         _ACTIVE.reset(token)
 
@@ -268,8 +284,13 @@ class _CheckpointedForward:
         self._id = id(module)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self._id not in _ACTIVE.get() or not torch.is_grad_enabled():
+        active = _ACTIVE.get()
+        if active is None or self._id not in active.ids or not torch.is_grad_enabled():
             return self._forward(*args, **kwargs)
+        if active.split:
+            frame = RecomputeOnce(self._forward)
+            active.frames.append(frame)
+            return frame(*args, **kwargs)
         if len(args) == 1 and not kwargs and isinstance(args[0], (tuple, list)):
             # A tuple activation: its tensors as top-level arguments, so the frame saves them
             # through the saved-tensor hooks (the meter sees them) instead of by reference.
@@ -287,3 +308,208 @@ class _CheckpointedForward:
 
     def _call_packed(self, kind: type, *items: Any) -> Any:
         return self._forward(kind(items))
+
+
+# -- recompute once for a split backward ----------------------------------------------------
+class _StopRecompute(Exception):
+    """Raised by the recompute once the last tensor the forward saved is refilled: the rest of
+    the region's forward is not needed (``torch.utils.checkpoint``'s early stop, likewise)."""
+
+
+class _Slot:
+    """One tensor the region's forward saved for backward: what autograd keeps in the graph in
+    its place. Empty until the recompute fills it; then it holds the tensor for every backward
+    call that unpacks it (``I`` and ``W``), until the graph is freed."""
+
+    __slots__ = ("__weakref__", "spec", "value")
+
+    def __init__(self, spec: tuple[Any, ...]) -> None:
+        self.spec = spec
+        self.value: torch.Tensor | None = None
+
+
+class _SaveInputs(torch.autograd.Function):
+    """Keeps a region's tensor inputs through the saved-tensor hooks active OUTSIDE the region,
+    as ``torch.utils.checkpoint`` does, so the engine's memory meter counts what a recomputed
+    region holds between forward and backward. Its output joins no graph: nothing calls its
+    backward."""
+
+    @staticmethod
+    def forward(ctx: Any, anchor: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(*tensors)
+        return anchor.new_empty(0)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:  # pragma: no cover - never reached
+        return (None,) * (1 + len(ctx.saved_tensors))
+
+
+def _spec(t: torch.Tensor) -> tuple[Any, ...]:
+    return tuple(t.shape), t.dtype, t.device
+
+
+def _autocast_state(device_types: Sequence[str]) -> list[tuple[str, bool, torch.dtype]]:
+    return [
+        (dt, torch.is_autocast_enabled(dt), torch.get_autocast_dtype(dt))
+        for dt in device_types
+        if torch.amp.is_autocast_available(dt)
+    ]
+
+
+class RecomputeOnce:
+    """One recomputed region under a split backward: recomputed ONCE, at the first backward call
+    that needs it (``I``), and kept for the second (``W``).
+
+    Why not ``torch.utils.checkpoint`` here: its non-reentrant frame recomputes per backward
+    call (keyed by the autograd graph task) and frees each recomputed tensor once unpacked, so
+    ``I`` then ``W`` run the region's forward twice (what pytorch#136766 and torchtitan#773
+    report for torch's zero-bubble schedules); under ``torch.utils.checkpoint.GraphExecGroup``
+    (recompute at most once) the second unpack of a tensor that ``I`` and ``W`` both need (a
+    Linear's backward node runs in both) raises ``CheckpointError`` instead. This frame uses
+    the same mechanism as that checkpoint (``saved_tensors_hooks``: the forward saves an empty
+    :class:`_Slot` per tensor, the recompute refills the slots in order, with the forward's RNG
+    and autocast state restored) but a filled slot serves every later unpack, and is freed with
+    the graph, after ``W``.
+
+    RNG: the CPU RNG state, and that of every device the inputs live on, is saved before the
+    forward and set for the recompute inside ``torch.random.fork_rng``: dropout draws bitwise
+    the same masks, and the RNG the rest of the step sees is untouched.
+
+    Example:
+        >>> lin = nn.Linear(3, 3)
+        >>> x = torch.randn(2, 3, requires_grad=True)
+        >>> frame = RecomputeOnce(lambda t: torch.tanh(lin(t)))
+        >>> y = frame(x)
+        >>> y.sum().backward(retain_graph=True); y.sum().backward()
+        >>> frame.recomputes  # two backward calls, one recompute
+        1
+    """
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+        self.slots: list[weakref.ReferenceType[_Slot]] = []
+        self.recomputes = 0
+        self._saver: Any = None
+        self._layout: list[Any] = []
+        self._kwargs: dict[str, Any] = {}
+
+    # -- forward ---------------------------------------------------------------------------
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        tensors: list[torch.Tensor] = []
+        # Top-level tensors, and those of a top-level tuple/list (a tuple activation), are kept
+        # through the outer hooks; anything else by reference (as checkpoint does).
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                self._layout.append(("t", len(tensors)))
+                tensors.append(a)
+            elif isinstance(a, (tuple, list)) and any(isinstance(x, torch.Tensor) for x in a):
+                items = []
+                for x in a:
+                    if isinstance(x, torch.Tensor):
+                        items.append(("t", len(tensors)))
+                        tensors.append(x)
+                    else:
+                        items.append(("v", x))
+                self._layout.append(("seq", type(a), items))
+            else:
+                self._layout.append(("v", a))
+        self._kwargs = kwargs
+        anchor = torch.empty(0, requires_grad=True)
+        self._saver = _SaveInputs.apply(anchor, *tensors).grad_fn
+        self._device_type = next((t.device.type for t in tensors if t.device.type != "cpu"), None)
+        self._cpu_rng = torch.get_rng_state()
+        self._devices, self._device_rng = get_device_states(*tensors)
+        self._autocast = _autocast_state(
+            ["cpu", self._device_type] if self._device_type else ["cpu"]
+        )
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            return self.fn(*args, **kwargs)
+
+    def _pack(self, t: torch.Tensor) -> _Slot:
+        slot = _Slot(_spec(t))
+        self.slots.append(weakref.ref(slot))
+        return slot
+
+    # -- backward --------------------------------------------------------------------------
+    def _unpack(self, slot: _Slot) -> torch.Tensor:
+        if slot.value is None:
+            if self.recomputes:
+                raise RuntimeError(
+                    "lightning_pp recompute: a saved tensor is empty after the region was "
+                    "recomputed (was it unpacked after its graph was freed?)"
+                )
+            self._recompute()
+        assert slot.value is not None
+        return slot.value
+
+    def _inputs(self) -> tuple[list[Any], dict[str, Any]]:
+        saved = [t.detach().requires_grad_(t.requires_grad) for t in self._saver.saved_tensors]
+
+        def value(item: Any) -> Any:
+            return saved[item[1]] if item[0] == "t" else item[1]
+
+        args = []
+        for item in self._layout:
+            if item[0] == "seq":
+                args.append(item[1](value(x) for x in item[2]))
+            else:
+                args.append(value(item))
+        return args, self._kwargs
+
+    def _recompute(self) -> None:
+        self.recomputes += 1
+        args, kwargs = self._inputs()
+        filled = [0]
+
+        def fill(t: torch.Tensor) -> torch.Tensor:
+            i = filled[0]
+            filled[0] += 1
+            if i >= len(self.slots):
+                raise RuntimeError(
+                    f"lightning_pp recompute: the recomputed forward saved more tensors than "
+                    f"the original ({len(self.slots)}): the region's forward must do the same "
+                    f"work when run again (no data-dependent branching on state it changes)"
+                )
+            slot = self.slots[i]()
+            if slot is not None:
+                if _spec(t) != slot.spec:
+                    raise RuntimeError(
+                        f"lightning_pp recompute: saved tensor {i} was {slot.spec[0]} "
+                        f"{slot.spec[1]} in the forward but {tuple(t.shape)} {t.dtype} when "
+                        f"recomputed: the region's forward must be deterministic in shape"
+                    )
+                slot.value = t.detach() if t.requires_grad else t
+            if filled[0] == len(self.slots):
+                raise _StopRecompute
+            return t
+
+        device_type = self._device_type or "cuda"
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(
+                torch.random.fork_rng(devices=self._devices, device_type=device_type)
+            )
+            torch.set_rng_state(self._cpu_rng)
+            if self._devices:
+                set_device_states(self._devices, self._device_rng, device_type=device_type)
+            for dt, enabled, dtype in self._autocast:
+                stack.enter_context(torch.autocast(dt, enabled=enabled, dtype=dtype))
+            stack.enter_context(torch.enable_grad())
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(fill, lambda t: t))
+            try:
+                self.fn(*args, **kwargs)
+            except _StopRecompute:
+                pass
+        if filled[0] < len(self.slots):
+            raise RuntimeError(
+                f"lightning_pp recompute: the recomputed forward saved {filled[0]} tensors, the "
+                f"original {len(self.slots)}"
+            )
+
+    def held(self) -> list[torch.Tensor]:
+        """The recomputed tensors this frame holds now (for the memory meter)."""
+        out = []
+        for ref in self.slots:
+            slot = ref()
+            if slot is not None and slot.value is not None:
+                out.append(slot.value)
+        return out

@@ -10,7 +10,9 @@ Three steps (:func:`plan_auto` runs them on every rank):
    forward time.
 2. **Profile**: the schedule says how many microbatches of each local chunk hold their
    activations after every action (+1 on ``F``, -1 on ``B``, and on ``W`` after a split
-   backward; a recomputing chunk's split backward frees at ``I``, see the engine).
+   backward). Under a split backward a recomputed layer holds its inputs from ``F`` to ``I``
+   and, once ``I`` has recomputed it (once, :class:`~lightning_pp.recompute.RecomputeOnce`),
+   what its forward saved until ``W``: the profile counts the two spans apart.
 3. **Choose** (:func:`plan_rank`): for each chunk, every subset of its layers (a greedy chain
    beyond :data:`EXACT_LAYERS` layers) gives the bytes one microbatch holds (the union of the
    storages of the layers kept, and of the inputs of the layers recomputed) and the forward time
@@ -144,42 +146,52 @@ def measure_chunk(
     return out, probes
 
 
-def chunk_bytes(probes: Sequence[LayerProbe], recomputed: Sequence[int] | set[int]) -> int:
+def chunk_bytes(
+    probes: Sequence[LayerProbe], recomputed: Sequence[int] | set[int], *, refilled: bool = False
+) -> int:
     """Bytes one microbatch of a chunk holds with the layers at ``recomputed`` positions
     recomputed: the storages the other layers save, and the inputs the recomputed ones hold
-    (each storage once)."""
+    (each storage once). ``refilled``: after a split backward's ``I`` recomputed them, when
+    the recomputed layers hold what their forward saved as well, until ``W``."""
     keys: dict[Any, int] = {}
     chosen = set(recomputed)
     for i, p in enumerate(probes):
-        keys.update(p.inputs if i in chosen else p.saved)
+        if i in chosen:
+            keys.update(p.inputs)
+        if i not in chosen or refilled:
+            keys.update(p.saved)
     return sum(keys.values())
 
 
-def inflight_profile(
-    schedule: Schedule, rank: int, frees_at_i: Sequence[bool]
-) -> list[tuple[int, ...]]:
-    """Per action of ``rank`` (after it), the microbatches of each local chunk whose saved
-    activations are held: +1 on ``F``, -1 on ``B``; a split backward frees at ``W``, or at
-    ``I`` for a chunk in ``frees_at_i`` (a recomputing chunk: the engine runs its backward whole
-    in ``I``)."""
-    held = [0] * schedule.vpp
+def inflight_profile(schedule: Schedule, rank: int) -> list[tuple[tuple[int, int], ...]]:
+    """Per action of ``rank`` (after it), for each local chunk, ``(before, after)``: the
+    microbatches held between ``F`` and their backward (``B``, or ``I`` under a split
+    backward), and those held between ``I`` and ``W``. The two differ for a recomputed region:
+    before ``I`` it holds its inputs, from ``I`` (which recomputes it once) to ``W`` what its
+    forward saved. Distinct states only."""
+    before = [0] * schedule.vpp
+    after = [0] * schedule.vpp
     out = []
     for a in schedule.ranks[rank]:
         if a.op is Op.F:
-            held[a.chunk] += 1
-        elif a.op is Op.B or (a.op is Op.I and frees_at_i[a.chunk]):
-            held[a.chunk] -= 1
-        elif a.op is Op.W and not frees_at_i[a.chunk]:
-            held[a.chunk] -= 1
-        out.append(tuple(held))
+            before[a.chunk] += 1
+        elif a.op is Op.B:
+            before[a.chunk] -= 1
+        elif a.op is Op.I:
+            before[a.chunk] -= 1
+            after[a.chunk] += 1
+        elif a.op is Op.W:
+            after[a.chunk] -= 1
+        out.append(tuple(zip(before, after)))
     return sorted(set(out))
 
 
 @dataclass(frozen=True)
 class _Option:
     positions: tuple[int, ...]
-    nbytes: int
+    nbytes: int  # held per microbatch from F to its backward (or I)
     seconds: float
+    refilled: int  # held per microbatch from I to W (a split backward's recompute at I)
 
 
 def _chunk_options(probes: Sequence[LayerProbe]) -> list[_Option]:
@@ -202,7 +214,15 @@ def _chunk_options(probes: Sequence[LayerProbe]) -> list[_Option]:
             chosen.add(max(gains, key=gains.__getitem__))
             subsets.append(tuple(sorted(chosen)))
     options = sorted(
-        (_Option(s, chunk_bytes(probes, s), sum(probes[i].forward_s for i in s)) for s in subsets),
+        (
+            _Option(
+                s,
+                chunk_bytes(probes, s),
+                sum(probes[i].forward_s for i in s),
+                chunk_bytes(probes, s, refilled=True),
+            )
+            for s in subsets
+        ),
         key=lambda o: (o.seconds, o.nbytes, len(o.positions)),
     )
     frontier: list[_Option] = []
@@ -265,16 +285,21 @@ def plan_rank(
 ) -> RankPlan:
     """The cheapest recompute choice of one rank whose predicted peak fits ``budget``; if none
     fits, the least-memory choice (``fits`` is then false)."""
-    split = schedule.split_backward
     per_chunk = [_chunk_options(p) for p in probes]
-    profiles: dict[tuple[bool, ...], list[tuple[int, ...]]] = {}
+    profile = inflight_profile(schedule, pp_rank)
+    # The first stage's I is a no-op (no input gradient): its W runs the whole backward, and
+    # the recompute with it, so between I and W it still holds only what F kept.
+    first = [schedule.stage(pp_rank, c) == 0 for c in range(schedule.vpp)]
 
     def peak(combo: Sequence[_Option]) -> int:
-        frees = tuple(split and bool(o.positions) for o in combo)
-        if frees not in profiles:
-            profiles[frees] = inflight_profile(schedule, pp_rank, frees)
         return max(
-            (sum(n * o.nbytes for n, o in zip(state, combo)) for state in profiles[frees]),
+            (
+                sum(
+                    f * o.nbytes + w * (o.nbytes if is_first else o.refilled)
+                    for (f, w), o, is_first in zip(state, combo, first)
+                )
+                for state in profile
+            ),
             default=0,
         )
 

@@ -1,7 +1,7 @@
 """``recompute="auto"``: the planner's predicted peak of saved activation bytes per rank matches
 the engine's meter (within 10 %) and stays within the budget, over budgets from "no recompute
-needed" to "the least-memory choice barely fits", on gpipe, 1f1b and interleaved (pp=4, one
-spawned world). No wall-time assertions: the forward times only rank the layers.
+needed" to "the least-memory choice barely fits", on gpipe, 1f1b, interleaved and the
+zero-bubble zb-h1 and zbv (pp=4, one spawned world). No wall-time assertions: the forward times only rank the layers.
 """
 
 from __future__ import annotations
@@ -26,13 +26,13 @@ from lightning_pp.topology import PipelineTopology, build_process_groups
 
 WORLD = PP = 4
 M = 8
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")
 BUDGETS = 5
 
 
 def _run(rank, name, groups):
     topo = PipelineTopology.from_world(WORLD, rank, PP)
-    schedule = build_schedule(name, pp=PP, microbatches=M, vpp=2 if name == "interleaved" else 1)
+    schedule = build_schedule(name, pp=PP, microbatches=M, vpp=2 if name in ("interleaved", "zbv") else 1)
     chunks = local_chunks(model_layers(3, blocks=10), schedule, topo.pp_rank)
     engine = PipelineEngine(
         chunks,
@@ -95,7 +95,9 @@ def test_prediction_matches_meter_and_budget(world4, name):
             assert got <= budget, where
 
 
-@pytest.mark.parametrize("name", SCHEDULES)
+# zbv's V placement gives every rank a first-half and a second-half stage, so its in-flight
+# load (and the recompute it needs) is balanced: no rank order to check there.
+@pytest.mark.parametrize("name", [s for s in SCHEDULES if s != "zbv"])
 def test_plan_recomputes_more_on_early_ranks(world4, name):
     runs = world4[0][name]["runs"]
     assert runs[-1]["recomputed"] == [0] * PP  # the no-recompute peak fits: nothing to do
@@ -120,7 +122,7 @@ def test_plan_rank_pure():
         ]
     ]
     s = build_schedule("1f1b", pp=2, microbatches=4)
-    assert inflight_profile(s, 0, [False])[-1] == (2,)
+    assert inflight_profile(s, 0)[-1] == ((2, 0),)
     assert chunk_bytes(probes[0], {0}) == 110
     plan = plan_rank(s, 0, probes, budget=300)
     assert plan.positions == [[0]] and plan.predicted_peak == 220 and plan.fits
