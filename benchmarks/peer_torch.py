@@ -27,6 +27,7 @@ from torch.distributed.pipelining import (
     ScheduleInterleavedZeroBubble,
     ScheduleZBVZeroBubble,
 )
+from torch.utils.checkpoint import checkpoint
 
 from .harness import Instrumented, RankStats
 from .workloads import Workload
@@ -47,6 +48,18 @@ def torch_stage(schedule: str, chunk: int, pp: int, rank: int) -> int:
     return chunk * pp + rank
 
 
+class Checkpointed(nn.Module):
+    """A layer run under ``torch.utils.checkpoint`` (non-reentrant): how a torch user adds
+    activation recompute to a pipeline stage. Parameter names gain an ``inner.`` prefix."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self.inner, x, use_reentrant=False)
+
+
 def build_torch_step(
     workload: Workload,
     schedule: str,
@@ -56,14 +69,21 @@ def build_torch_step(
     rank: int,
     device: torch.device,
     stats: RankStats,
+    *,
+    checkpoint_layers: frozenset[int] = frozenset(),
 ) -> tuple[Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None], list[nn.Parameter]]:
     """Return ``(step(x, y) -> loss or None, local parameters)`` for this rank.
 
     ``step`` runs one full training step (forward + backward of all ``microbatches``) and returns
     the mean microbatch loss on the rank holding the last stage, ``None`` elsewhere.
+    ``checkpoint_layers``: indices (in the whole model) of layers wrapped in
+    :class:`Checkpointed`.
     """
     num_stages = pp * vpp
-    layers = workload.build_layers(pp)
+    layers = [
+        Checkpointed(layer) if i in checkpoint_layers else layer
+        for i, layer in enumerate(workload.build_layers(pp))
+    ]
     mb_shape = workload.sample_shape()
     # Static metadata: an input that requires grad tells torch to send its gradient back.
     first_in = torch.zeros(mb_shape, device=device)

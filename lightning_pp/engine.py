@@ -220,6 +220,7 @@ class PipelineEngine:
         self._steps = 0
         self.recompute = parse_recompute(recompute)
         self.recompute_targets: Targets = [[] for _ in self.chunks]
+        self.recompute_again: list[nn.Module] = []
         if self.recompute not in (None, "auto"):
             self.recompute_targets = install_recompute(self.chunks, self.recompute)
         elif self.recompute == "auto":
@@ -290,10 +291,18 @@ class PipelineEngine:
     def pp_rank(self) -> int:
         return self.topology.pp_rank
 
-    def set_recompute_positions(self, positions: Sequence[Sequence[int]]) -> None:
+    def set_recompute_positions(
+        self,
+        positions: Sequence[Sequence[int]],
+        again: Sequence[Sequence[int]] | None = None,
+    ) -> None:
         """Recompute the layers at these positions of each local chunk (the planner's choice;
-        positions index :func:`~lightning_pp.recompute.layer_names` of each chunk)."""
+        positions index :func:`~lightning_pp.recompute.layer_names` of each chunk). ``again``:
+        under a split backward, those (among ``positions``) that recompute again for ``W``
+        instead of keeping ``I``'s recompute."""
         self.recompute_targets = install_targets(select_positions(self.chunks, positions))
+        twice = select_positions(self.chunks, again or [[] for _ in self.chunks])
+        self.recompute_again = [m for picked in twice for _, m in picked]
         self.recompute = "auto"
 
     def recomputes(self, chunk: int) -> bool:

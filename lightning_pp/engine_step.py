@@ -356,7 +356,9 @@ class StepRun:
                 out = _detached(out)  # the graph was measured; nothing goes backward
             elif self.train and engine.recomputes(c):
                 with recompute_active(
-                    engine.recompute_targets, split=engine.schedule.split_backward
+                    engine.recompute_targets,
+                    split=engine.schedule.split_backward,
+                    again=engine.recompute_again,
                 ) as frames:
                     out = self._run_chunk(c, args, saved)
             else:
@@ -485,6 +487,9 @@ class StepRun:
             # A recomputed region (RecomputeOnce) runs its forward again here, once, and keeps
             # the result for W: from now until W the microbatch holds those tensors too.
             dx, work = backward_input(tensors, grads, entry.inputs)
+            for frame in entry.frames:
+                if frame.again:
+                    frame.release()
             self.stash.defer(c, entry, work, saved=entry.saved_bytes + self._recomputed(entry))
             got = [g for t, g in zip(entry.inputs, dx) if t.is_floating_point()]
         else:

@@ -250,6 +250,7 @@ def install_targets(targets: Targets) -> Targets:
 class _Active:
     ids: frozenset[int] = frozenset()
     split: bool = False
+    again: frozenset[int] = frozenset()  # split only: modules that recompute again for W
     frames: list[RecomputeOnce] = field(default_factory=list)
 
 
@@ -260,14 +261,23 @@ _ACTIVE: ContextVar[_Active | None] = ContextVar("lightning_pp_recompute", defau
 
 @contextlib.contextmanager
 def recompute_active(
-    targets: Sequence[Sequence[tuple[str, nn.Module]]], *, split: bool = False
+    targets: Sequence[Sequence[tuple[str, nn.Module]]],
+    *,
+    split: bool = False,
+    again: Sequence[nn.Module] = (),
 ) -> Iterator[list[RecomputeOnce]]:
     """Inside: the modules in ``targets`` checkpoint (the engine enters it for training
     forwards only). ``split``: the backward of this forward runs in two calls, ``I`` then
     ``W`` (zero-bubble schedules); each region then recomputes once and keeps the result for
     ``W`` (:class:`RecomputeOnce`) instead of using ``torch.utils.checkpoint``. Yields the list
-    of :class:`RecomputeOnce` frames the forward creates (empty unless ``split``)."""
-    state = _Active(frozenset(id(m) for picked in targets for _, m in picked), split)
+    of :class:`RecomputeOnce` frames the forward creates (empty unless ``split``). ``again``:
+    modules whose frame drops its recompute after ``I`` and recomputes again for ``W``
+    (:meth:`RecomputeOnce.release`; the planner's choice where ``W`` lags far behind ``I``)."""
+    state = _Active(
+        frozenset(id(m) for picked in targets for _, m in picked),
+        split,
+        frozenset(id(m) for m in again),
+    )
     token = _ACTIVE.set(state)
     try:
         yield state.frames
@@ -288,7 +298,7 @@ class _CheckpointedForward:
         if active is None or self._id not in active.ids or not torch.is_grad_enabled():
             return self._forward(*args, **kwargs)
         if active.split:
-            frame = RecomputeOnce(self._forward)
+            frame = RecomputeOnce(self._forward, again=self._id in active.again)
             active.frames.append(frame)
             return frame(*args, **kwargs)
         if len(args) == 1 and not kwargs and isinstance(args[0], (tuple, list)):
@@ -371,6 +381,11 @@ class RecomputeOnce:
     and autocast state restored) but a filled slot serves every later unpack, and is freed with
     the graph, after ``W``.
 
+    ``again=True`` (with :meth:`release` after ``I``): recompute again for ``W`` instead, so the
+    region holds only its inputs from ``F`` to ``W``; the ``"auto"`` planner picks that for a
+    layer only where ``W`` lags so far behind ``I`` that keeping the recompute exceeds the
+    budget (zb-h1's last ranks).
+
     RNG: the CPU RNG state, and that of every device the inputs live on, is saved before the
     forward and set for the recompute inside ``torch.random.fork_rng``: dropout draws bitwise
     the same masks, and the RNG the rest of the step sees is untouched.
@@ -385,8 +400,9 @@ class RecomputeOnce:
         1
     """
 
-    def __init__(self, fn: Callable[..., Any]) -> None:
+    def __init__(self, fn: Callable[..., Any], *, again: bool = False) -> None:
         self.fn = fn
+        self.again = again
         self.slots: list[weakref.ReferenceType[_Slot]] = []
         self.recomputes = 0
         self._saver: Any = None
@@ -433,14 +449,22 @@ class RecomputeOnce:
     # -- backward --------------------------------------------------------------------------
     def _unpack(self, slot: _Slot) -> torch.Tensor:
         if slot.value is None:
-            if self.recomputes:
-                raise RuntimeError(
-                    "lightning_pp recompute: a saved tensor is empty after the region was "
-                    "recomputed (was it unpacked after its graph was freed?)"
-                )
             self._recompute()
-        assert slot.value is not None
+        if slot.value is None:
+            raise RuntimeError(
+                "lightning_pp recompute: a saved tensor is still empty after the region was "
+                "recomputed (was it unpacked after its graph was freed?)"
+            )
         return slot.value
+
+    def release(self) -> None:
+        """Drop what the recompute filled: the next backward call that needs it (``W``)
+        recomputes again. Between ``I`` and ``W`` the region then holds only its inputs, at the
+        cost of a second forward (what torch's checkpoint always does)."""
+        for ref in self.slots:
+            slot = ref()
+            if slot is not None:
+                slot.value = None
 
     def _inputs(self) -> tuple[list[Any], dict[str, Any]]:
         saved = [t.detach().requires_grad_(t.requires_grad) for t in self._saver.saved_tensors]

@@ -67,6 +67,9 @@ log = logging.getLogger("lightning_pp")
 
 #: chunks with at most this many layers try every subset; longer ones a greedy chain
 EXACT_LAYERS = 12
+#: under a split backward, recomputed sets of at most this many layers also try every subset
+#: of them recomputed again for W; larger sets try none or all
+EXACT_AGAIN = 4
 
 
 class RecomputeBudgetError(ValueError):
@@ -147,18 +150,23 @@ def measure_chunk(
 
 
 def chunk_bytes(
-    probes: Sequence[LayerProbe], recomputed: Sequence[int] | set[int], *, refilled: bool = False
+    probes: Sequence[LayerProbe],
+    recomputed: Sequence[int] | set[int],
+    *,
+    refilled: bool = False,
+    again: Sequence[int] | set[int] = (),
 ) -> int:
     """Bytes one microbatch of a chunk holds with the layers at ``recomputed`` positions
     recomputed: the storages the other layers save, and the inputs the recomputed ones hold
     (each storage once). ``refilled``: after a split backward's ``I`` recomputed them, when
-    the recomputed layers hold what their forward saved as well, until ``W``."""
+    the recomputed layers hold what their forward saved as well, until ``W``; except those in
+    ``again``, which drop it after ``I`` and recompute again for ``W``."""
     keys: dict[Any, int] = {}
-    chosen = set(recomputed)
+    chosen, twice = set(recomputed), set(again)
     for i, p in enumerate(probes):
         if i in chosen:
             keys.update(p.inputs)
-        if i not in chosen or refilled:
+        if i not in chosen or (refilled and i not in twice):
             keys.update(p.saved)
     return sum(keys.values())
 
@@ -192,10 +200,14 @@ class _Option:
     nbytes: int  # held per microbatch from F to its backward (or I)
     seconds: float
     refilled: int  # held per microbatch from I to W (a split backward's recompute at I)
+    again: tuple[int, ...] = ()  # of positions: recomputed again for W (split backward only)
 
 
-def _chunk_options(probes: Sequence[LayerProbe]) -> list[_Option]:
-    """Candidate recompute sets of one chunk, each the least-bytes one for its cost (Pareto)."""
+def _chunk_options(probes: Sequence[LayerProbe], *, again: bool = False) -> list[_Option]:
+    """Candidate recompute choices of one chunk, Pareto-pruned on (forward seconds added, bytes
+    held before ``I``, bytes held from ``I`` to ``W``). ``again`` (a split backward, not the
+    first stage): a recomputed layer may also recompute a second time for ``W`` (holding only
+    its inputs until ``W``, for twice the forward time)."""
     n = len(probes)
     if n <= EXACT_LAYERS:
         subsets: list[tuple[int, ...]] = [
@@ -213,21 +225,32 @@ def _chunk_options(probes: Sequence[LayerProbe]) -> list[_Option]:
             }
             chosen.add(max(gains, key=gains.__getitem__))
             subsets.append(tuple(sorted(chosen)))
+    choices: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    for sub in subsets:
+        if not again:
+            choices.append((sub, ()))
+        elif len(sub) <= EXACT_AGAIN:
+            choices += [
+                (sub, a) for k in range(len(sub) + 1) for a in itertools.combinations(sub, k)
+            ]
+        else:
+            choices += [(sub, ()), (sub, sub)]
     options = sorted(
         (
             _Option(
-                s,
-                chunk_bytes(probes, s),
-                sum(probes[i].forward_s for i in s),
-                chunk_bytes(probes, s, refilled=True),
+                sub,
+                chunk_bytes(probes, sub),
+                sum(probes[i].forward_s for i in sub) + sum(probes[i].forward_s for i in a),
+                chunk_bytes(probes, sub, refilled=True, again=a),
+                a,
             )
-            for s in subsets
+            for sub, a in choices
         ),
-        key=lambda o: (o.seconds, o.nbytes, len(o.positions)),
+        key=lambda o: (o.seconds, o.nbytes, o.refilled, len(o.positions)),
     )
     frontier: list[_Option] = []
-    for o in options:  # cheapest first: keep each that holds fewer bytes than all cheaper ones
-        if not frontier or o.nbytes < frontier[-1].nbytes:
+    for o in options:  # cheapest first: keep each that no cheaper kept one matches in bytes
+        if not any(k.nbytes <= o.nbytes and k.refilled <= o.refilled for k in frontier):
             frontier.append(o)
     return frontier
 
@@ -244,9 +267,11 @@ def format_bytes(n: float) -> str:
 @dataclass(frozen=True)
 class RankPlan:
     """One rank's choice: ``positions[c]`` the recomputed layer positions of local chunk ``c``
-    (``layers[c]`` their names or original indices); ``predicted_peak`` the schedule's peak of
-    saved bytes with it, ``none_peak``/``min_peak`` without recompute and with the least-memory
-    choice; ``added_s`` the forward time it adds per step (all microbatches)."""
+    (``layers[c]`` their names or original indices; ``again[c]``, among them, those that
+    recompute a second time for ``W`` under a split backward); ``predicted_peak`` the
+    schedule's peak of saved bytes with it, ``none_peak``/``min_peak`` without recompute and
+    with the least-memory choice; ``added_s`` the forward time it adds per step (all
+    microbatches)."""
 
     rank: int
     pp_rank: int
@@ -258,6 +283,7 @@ class RankPlan:
     min_peak: int
     added_s: float
     total_layers: int
+    again: list[list[int]] = field(default_factory=list)
 
     @property
     def fits(self) -> bool:
@@ -266,6 +292,9 @@ class RankPlan:
     def describe(self) -> str:
         chosen = [x for c in self.layers for x in c]
         what = "none" if not chosen else ", ".join(str(x) for x in chosen)
+        n_again = sum(len(c) for c in self.again)
+        if n_again:
+            what += f"; {n_again} of them again for W"
         return (
             f"rank {self.rank} (pp_rank {self.pp_rank}): recompute {len(chosen)}/"
             f"{self.total_layers} layers [{what}]; predicted peak "
@@ -285,11 +314,14 @@ def plan_rank(
 ) -> RankPlan:
     """The cheapest recompute choice of one rank whose predicted peak fits ``budget``; if none
     fits, the least-memory choice (``fits`` is then false)."""
-    per_chunk = [_chunk_options(p) for p in probes]
     profile = inflight_profile(schedule, pp_rank)
     # The first stage's I is a no-op (no input gradient): its W runs the whole backward, and
     # the recompute with it, so between I and W it still holds only what F kept.
     first = [schedule.stage(pp_rank, c) == 0 for c in range(schedule.vpp)]
+    per_chunk = [
+        _chunk_options(p, again=schedule.split_backward and not is_first)
+        for p, is_first in zip(probes, first)
+    ]
 
     def peak(combo: Sequence[_Option]) -> int:
         return max(
@@ -323,6 +355,7 @@ def plan_rank(
         pp_rank=pp_rank,
         budget=budget,
         positions=[list(o.positions) for o in combo],
+        again=[list(o.again) for o in combo],
         layers=[
             [
                 probes[c][i].index if probes[c][i].index is not None else probes[c][i].name
@@ -404,7 +437,7 @@ def plan_auto(
     plan = RecomputePlan(budget, engine.schedule.name, plans)
     if not all(r.fits for r in plans):
         raise _budget_error(plan, engine.schedule)
-    engine.set_recompute_positions(mine.positions)
+    engine.set_recompute_positions(mine.positions, mine.again)
     if engine.rank == 0:
         for line in plan.describe():
             log.info(line)

@@ -288,3 +288,30 @@ def test_recompute_once_serves_input_and_weight_backward():
     assert frame.recomputes == 1 and calls[0] == 2
     got = [dx[0], *(p.grad for p in params)]
     assert all(torch.equal(a, b) for a, b in zip(want, got))
+
+
+def test_recompute_again_for_weight_backward():
+    """``again``: the frame drops I's recompute (holding only its inputs until W) and W
+    recomputes a second time; the gradients stay bitwise equal."""
+    from lightning_pp.recompute import RecomputeOnce
+    from lightning_pp.split_backward import backward_input
+
+    torch.manual_seed(1)
+    lin, drop = nn.Linear(4, 4), nn.Dropout(0.5)
+    x0 = torch.randn(3, 4)
+    x = x0.clone().requires_grad_()
+    torch.manual_seed(2)
+    torch.tanh(drop(lin(x))).sum().backward()
+    want = (x.grad.clone(), lin.weight.grad.clone())
+    lin.weight.grad = lin.bias.grad = None
+    x = x0.clone().requires_grad_()
+    torch.manual_seed(2)
+    frame = RecomputeOnce(lambda t: torch.tanh(drop(lin(t))), again=True)
+    y = frame(x)
+    dx, work = backward_input((y,), (torch.ones_like(y),), (x,))
+    assert frame.recomputes == 1 and frame.held()
+    frame.release()
+    assert not frame.held()
+    work.run()
+    assert frame.recomputes == 2
+    assert torch.equal(dx[0], want[0]) and torch.equal(lin.weight.grad, want[1])

@@ -1,7 +1,8 @@
 """``recompute="auto"``: the planner's predicted peak of saved activation bytes per rank matches
 the engine's meter (within 10 %) and stays within the budget, over budgets from "no recompute
 needed" to "the least-memory choice barely fits", on gpipe, 1f1b, interleaved and the
-zero-bubble zb-h1 and zbv (pp=4, one spawned world). No wall-time assertions: the forward times only rank the layers.
+zero-bubble zb-h1 and zbv (pp=4, one spawned world), with gradients equal to the run without
+recompute. No wall-time assertions: the forward times only rank the layers.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from distributed import run_distributed
-from engine_models import mse_loss, tuple_batch, tuple_input_fn
+from engine_models import mse_loss, rel_err, tuple_batch, tuple_input_fn
 from test_recompute import local_chunks, model_layers
 
 from lightning_pp.engine import PipelineEngine
@@ -32,7 +33,9 @@ BUDGETS = 5
 
 def _run(rank, name, groups):
     topo = PipelineTopology.from_world(WORLD, rank, PP)
-    schedule = build_schedule(name, pp=PP, microbatches=M, vpp=2 if name in ("interleaved", "zbv") else 1)
+    schedule = build_schedule(
+        name, pp=PP, microbatches=M, vpp=2 if name in ("interleaved", "zbv") else 1
+    )
     chunks = local_chunks(model_layers(3, blocks=10), schedule, topo.pp_rank)
     engine = PipelineEngine(
         chunks,
@@ -46,6 +49,7 @@ def _run(rank, name, groups):
     batch = tuple_batch(11, 16, 6)
     probes = engine.probe_step(batch)
     wide = plan_auto(engine, batch, 10**15, probes=probes)
+    base = _grads_of(engine, batch)  # nothing recomputed under the wide budget
     most = max(r.none_peak for r in wide.ranks)
     least = max(r.min_peak for r in wide.ranks)
     budgets = [int(least + (most - least) * k / (BUDGETS - 1)) for k in range(BUDGETS)]
@@ -53,12 +57,12 @@ def _run(rank, name, groups):
     for budget in budgets:
         plan = plan_auto(engine, batch, budget, probes=probes)
         mine = plan.mine(rank)
-        torch.manual_seed(5)
-        res = engine.train_step(batch)
-        for p in engine.chunks[0].parameters():
-            p.grad = None
+        res, grads = _step(engine, batch)
         out["runs"].append(
             dict(
+                grad_err=max(rel_err(grads[k], base[1][k]) for k in base[1]),
+                loss_err=abs(res.loss.item() - base[0].loss.item()),
+                again=sum(len(c) for c in mine.again),
                 budget=budget,
                 predicted=mine.predicted_peak,
                 measured=res.record.peak_saved_bytes,
@@ -71,6 +75,25 @@ def _run(rank, name, groups):
     except RecomputeBudgetError as e:
         out["error"] = str(e)
     return out
+
+
+def _step(engine, batch):
+    torch.manual_seed(5)  # the same dropout masks in every run
+    res = engine.train_step(batch)
+    grads = {
+        f"{c}.{n}": p.grad.clone()
+        for c, chunk in enumerate(engine.chunks)
+        for n, p in chunk.named_parameters()
+        if p.grad is not None
+    }
+    for chunk in engine.chunks:
+        for p in chunk.parameters():
+            p.grad = None
+    return res, grads
+
+
+def _grads_of(engine, batch):
+    return _step(engine, batch)
 
 
 def _worker(rank, world_size):
@@ -93,6 +116,7 @@ def test_prediction_matches_meter_and_budget(world4, name):
             where = f"rank {rank} budget {budget}: predicted {pred}, measured {got}"
             assert abs(got - pred) <= 0.10 * pred, where
             assert got <= budget, where
+            assert run["grad_err"] <= 1e-6 and run["loss_err"] <= 1e-6 * 10, (where, run)
 
 
 # zbv's V placement gives every rank a first-half and a second-half stage, so its in-flight
@@ -128,3 +152,29 @@ def test_plan_rank_pure():
     assert plan.positions == [[0]] and plan.predicted_peak == 220 and plan.fits
     assert plan_rank(s, 1, probes, budget=300).positions == [[]]  # holds one microbatch
     assert not plan_rank(s, 0, probes, budget=10).fits
+
+
+def test_plan_recomputes_again_for_w_only_where_w_lags():
+    """zb-h1's last rank keeps each microbatch from I to W while 3 more run (W deferred): there
+    a recompute kept for W saves nothing, so a tight budget needs the layer recomputed again for
+    W; rank 0 runs W right after I and keeps its recompute."""
+    probes = [[LayerProbe("layers.0", 0, {1: 100}, {0: 10}, 1e-3)]]
+    s = build_schedule("zb-h1", pp=4, microbatches=8)
+    assert max(w for state in inflight_profile(s, 3) for _, w in state) == 4
+    last = plan_rank(s, 3, probes, budget=4 * 10)
+    assert last.fits and last.positions == [[0]] and last.again == [[0]]
+    assert last.predicted_peak == 40 and last.added_s == 2 * 1e-3 * 8  # two recomputes per mb
+    # rank 1 holds at most 2 microbatches between I and W: keeping the recompute (2 x 110 +
+    # 2 x 10) fits 250, so one recompute; at 200 only the second recompute fits.
+    kept = plan_rank(s, 1, probes, budget=250)
+    assert kept.positions == [[0]] and kept.again == [[]] and kept.predicted_peak == 240
+    assert plan_rank(s, 1, probes, budget=200).again == [[0]]
+    # The first stage's I is a no-op: its recompute happens once, in W, never "again".
+    first = plan_rank(s, 0, probes, budget=4 * 10)
+    assert first.fits and first.positions == [[0]] and first.again == [[]]
+
+
+def test_zero_bubble_tight_budgets_recompute_again_for_w(world4):
+    """At the least budget zb-h1 needs second recomputes (its last ranks' W lag), and the
+    gradients still equal the run without recompute (checked above for every budget)."""
+    assert any(run["again"] for res in world4 for run in res["zb-h1"]["runs"])
