@@ -118,3 +118,29 @@ def test_ablation_variants_agree_and_render():
     table = report.ablation_table(recs)
     rows = [ln for ln in table.splitlines() if ln.startswith("| sleep")]
     assert len(rows) == 1 and rows[0].count("(") == 3, table  # three variants / torch
+
+
+def test_recompute_benchmark_runs_and_reports(tmp_path):
+    """bench_recompute end to end at toy sizes: every variant has a row, the auto plans'
+    predicted peaks match the measured ones (the planner and meter agree, as in
+    tests/test_recompute_auto.py), and every variant trains to the same loss."""
+    from benchmarks import bench_recompute
+
+    out = tmp_path / "rc.md"
+    bench_recompute.main(
+        ["--quick", "--pp", "2", "--microbatches", "4", "--schedules", "1f1b", "zb-h1"]
+        + ["--out", str(out)]
+    )
+    md = out.read_text()
+    recs = [json.loads(line) for line in (tmp_path / "rc.jsonl").read_text().splitlines()]
+    rows = {(r["schedule"], r["variant"]) for r in recs if "error" not in r}
+    for s in ("1f1b", "zb-h1"):
+        assert {(s, f"ours {m}") for m in ("none", "full", "auto")} <= rows
+    assert ("zb-h1", "torch full") in rows and "## Verdicts" in md
+    for r in recs:
+        if r.get("predicted"):
+            for got, want in zip(r["peak_bytes"], r["predicted"]):
+                assert abs(got - want) <= 0.10 * want, r
+    for s in ("1f1b", "zb-h1"):
+        losses = {r["losses"][-1] for r in recs if r["schedule"] == s and r.get("losses")}
+        assert losses and max(losses) - min(losses) <= 1e-5 * max(losses), (s, losses)
