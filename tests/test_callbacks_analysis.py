@@ -11,10 +11,13 @@ import json
 import pytest
 
 from lightning_pp.callbacks.analysis import (
+    RecomputeStats,
     bubble_stats,
     measured_costs,
     measured_timeline,
     memory_stats,
+    plan_recompute_costs,
+    recompute_labels,
     split_pipelines,
     trace_events,
 )
@@ -303,3 +306,99 @@ def test_ranks_sharing_a_clock_are_not_shifted_by_the_barrier():
     # its events; rank 2 (another host) and rank 3 (unknown clock) use their own reference.
     got = shared_clock_offsets([10.0, 10.002, 55.0, 7.0], ["a", "a", "b", None])
     assert got == [10.0, 10.0, 55.0, 7.0]
+
+
+# --- activation recompute ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name,vpp,m", [*SHAPES, ("zb-h1", 1, 8), ("zbv", 2, 8)], ids=lambda x: str(x)
+)
+def test_recompute_inside_measured_backward_is_in_the_expectation(name, vpp, m):
+    # What a recomputing run measures: every B (or I) lasts its recompute longer, uneven over
+    # the ranks like an "auto" plan (rank 0 recomputes most). The expectation, built from the
+    # measured costs, must give back that run exactly, with no recompute term of its own.
+    s = build_schedule(name, pp=4, vpp=vpp, microbatches=m)
+    real = simulate(s, Costs(t_f=1.0, t_b=2.0, recompute={0: 0.9, 1: 0.6, 2: 0.3}))
+    records = records_from_sim(real)
+    stats = bubble_stats(records)
+    assert stats.expected_makespan == pytest.approx(real.makespan, rel=1e-12)
+    assert stats.expected_bubble == pytest.approx(real.bubble_ratio, rel=1e-12)
+    assert stats.bubble == pytest.approx(real.bubble_ratio, rel=1e-12)
+    costs = measured_costs(records)
+    assert costs.recompute == {} and costs.t_r == 0.0  # already inside the measured B / I
+    # and it is a different step than the same run without recompute
+    assert real.makespan > simulate(s, Costs(t_f=1.0, t_b=2.0)).makespan
+
+
+def _rank_plan(rank, pp_rank, positions, added_s):
+    from lightning_pp.recompute_plan import RankPlan
+
+    return RankPlan(
+        rank=rank,
+        pp_rank=pp_rank,
+        budget=100,
+        positions=positions,
+        layers=positions,
+        predicted_peak=50,
+        none_peak=100,
+        min_peak=10,
+        added_s=added_s,
+        total_layers=4,
+    )
+
+
+def test_plan_recompute_costs_per_microbatch_split_by_layers_and_averaged_over_dp():
+    from lightning_pp.recompute_plan import RecomputePlan
+
+    s = build_schedule("1f1b", pp=2, microbatches=4)
+    plan = RecomputePlan(
+        100,
+        s.name,
+        [  # dp=2: global ranks 0, 1 are pp_rank 0; 2, 3 are pp_rank 1
+            _rank_plan(0, 0, [[0, 1]], 0.8),
+            _rank_plan(1, 0, [[0, 1]], 1.2),
+            _rank_plan(2, 1, [[]], 0.0),
+            _rank_plan(3, 1, [[]], 0.0),
+        ],
+    )
+    assert plan_recompute_costs(plan, s) == pytest.approx({(0, 0): 0.25, (1, 0): 0.0})
+    got = simulate(s, Costs(t_f=1.0, t_b=2.0, recompute=plan_recompute_costs(plan, s)))
+    assert got.busy == pytest.approx([4 * 3.25, 4 * 3.0])
+
+    inter = build_schedule("interleaved", pp=2, vpp=2, microbatches=4)
+    plan = RecomputePlan(100, inter.name, [_rank_plan(0, 0, [[0], [0, 1, 2]], 0.8)])
+    assert plan_recompute_costs(plan, inter) == pytest.approx({(0, 0): 0.05, (0, 1): 0.15})
+
+
+def test_recompute_labels_and_stats():
+    from torch import nn
+
+    from lightning_pp.partition import PipelineChunk
+    from lightning_pp.recompute import install_recompute
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(2, 2)
+            self.fc_proj = nn.Linear(2, 2)
+            self.ln = nn.LayerNorm(2)
+
+        def forward(self, x):
+            return self.fc_proj(self.fc(self.ln(x)))
+
+    chunks = [PipelineChunk([Block(), Block()], [1, 2]), PipelineChunk([Block()], [5])]
+    assert recompute_labels(chunks, install_recompute(chunks, "full")) == [1, 2, 5]
+    assert recompute_labels(chunks, install_recompute(chunks, [2, 5])) == [2, 5]
+    assert recompute_labels(chunks, install_recompute(chunks, "selective:fc*")) == [
+        "1.fc",
+        "1.fc_proj",
+        "2.fc",
+        "2.fc_proj",
+        "5.fc",
+        "5.fc_proj",
+    ]
+    opaque = [nn.Linear(2, 2)]  # not a PipelineChunk: recomputed as one unit
+    assert recompute_labels(opaque, install_recompute(opaque, "full")) == ["chunk0"]
+    assert RecomputeStats(0, 0, (1,), 110, 100).ratio == pytest.approx(1.1)
+    assert RecomputeStats(0, 0, (1,), 110).ratio is None

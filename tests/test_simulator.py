@@ -118,6 +118,96 @@ def test_bad_costs_rejected():
         Costs(latency=float("nan"))
 
 
+# --- activation recompute: the forward it re-runs lengthens B and I --------------------------
+
+
+def makespan_1f1b(p: int, m: int, t_f: float, t_b: float) -> float:
+    """1F1B makespan at uniform per-stage costs, no latency: (m + p - 1)(t_f + t_b).
+
+    Derivation along the critical path: microbatch 0's forward reaches the last rank after
+    (p - 1) t_f. The last rank has no warm-up; it runs F0 B0 F1 B1 ... back to back, m (t_f + t_b)
+    without a gap (each forward k was sent by rank p - 2 during the last rank's B(k-1), since
+    rank p - 2 is one microbatch ahead). Its last backward then sends the gradient of microbatch
+    m - 1 back through the p - 1 earlier ranks, each of which has nothing left but that backward:
+    (p - 1) t_b. Total (p - 1) t_f + m (t_f + t_b) + (p - 1) t_b. Recompute re-runs the forward
+    inside every backward, so each B lasts t_b + r: substitute t_b -> t_b + r.
+    """
+    return (m + p - 1) * (t_f + t_b)
+
+
+def makespan_zb_h1(p: int, m: int, t_f: float, t_i: float, t_w: float) -> float:
+    """ZB-H1 makespan: busy m (t_f + t_i + t_w) plus the idle (p - 1)(t_f + t_i) -
+    (min(m, p) - 1) t_w of docs/schedules.md (valid when t_w <= t_f and t_w <= t_i: the deferred
+    W's then fit in the gaps). A split backward recomputes before I: t_i -> t_i + r, W unchanged.
+    """
+    return m * (t_f + t_i + t_w) + (p - 1) * (t_f + t_i) - (min(m, p) - 1) * t_w
+
+
+RECOMPUTE_COSTS = [(1.0, 2.0, 0.7), (0.3, 1.1, 0.45), (1.0, 2.0, 1.0), (2.0, 1.0, 0.5)]
+
+
+@pytest.mark.parametrize("t_f,t_b,r", RECOMPUTE_COSTS)
+def test_recompute_1f1b_makespan_is_closed_form_with_longer_backward(t_f, t_b, r):
+    for p in range(1, 7):
+        for m in range(1, 13):
+            s = build_schedule("1f1b", pp=p, microbatches=m)
+            got = simulate(s, Costs(t_f=t_f, t_b=t_b, t_r=r))
+            assert got.makespan == pytest.approx(makespan_1f1b(p, m, t_f, t_b + r), abs=1e-9)
+            assert got.busy == pytest.approx([m * (t_f + t_b + r)] * p, abs=1e-9)
+            # the same through the per-rank and per-chunk forms
+            per_rank = Costs(t_f=t_f, t_b=t_b, recompute={q: r for q in range(p)})
+            per_chunk = Costs(t_f=t_f, t_b=t_b, recompute={(q, 0): r for q in range(p)})
+            assert simulate(s, per_rank).makespan == pytest.approx(got.makespan, abs=1e-9)
+            assert simulate(s, per_chunk).makespan == pytest.approx(got.makespan, abs=1e-9)
+
+
+@pytest.mark.parametrize("t_f,t_i,t_w,r", [(1.0, 1.0, 1.0, 0.5), (1.2, 0.9, 0.6, 0.3)])
+def test_recompute_zb_h1_makespan_is_closed_form_with_longer_input_grad(t_f, t_i, t_w, r):
+    for p in range(1, 7):
+        for m in range(1, 17):
+            s = build_schedule("zb-h1", pp=p, microbatches=m)
+            got = simulate(s, Costs(t_f=t_f, t_b=t_i + t_w, t_i=t_i, t_w=t_w, t_r=r))
+            want = makespan_zb_h1(p, m, t_f, t_i + r, t_w)
+            assert got.makespan == pytest.approx(want, abs=1e-9), (p, m)
+            # W gets none of it: every W lasts t_w, every I t_i + r
+            for steps in got.timeline:
+                for a, start, end in steps:
+                    if a.op in (Op.I, Op.W):
+                        want_d = t_w if a.op is Op.W else t_i + r
+                        assert end - start == pytest.approx(want_d, abs=1e-12)
+
+
+def test_recompute_off_changes_nothing():
+    for name, vpp in [("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zbv", 2), ("gpipe", 2)]:
+        s = build_schedule(name, pp=4, vpp=vpp, microbatches=8)
+        overrides = {(1, 0): (3.0, 4.0), (2, 0): (1.0, 2.0, 1.5, 0.5)}
+        for costs in (Costs(), Costs(t_f=1.3, t_b=2.1, latency=0.2, overrides=overrides)):
+            zero = Costs(
+                t_f=costs.t_f,
+                t_b=costs.t_b,
+                latency=costs.latency,
+                overrides=costs.overrides,
+                t_r=0.0,
+                recompute={(0, 0): 0.0, 3: 0.0},
+            )
+            assert simulate(s, zero).timeline == simulate(s, costs).timeline
+
+
+def test_recompute_per_chunk_and_per_rank_precedence():
+    s = build_schedule("interleaved", pp=2, vpp=2, microbatches=4)
+    costs = Costs(t_r=1.0, recompute={1: 0.4, (1, 1): 0.9}, overrides={(0, 1): (0.5, 1.0)})
+    assert costs.recompute_cost(s, 0, 0) == 0.5  # t_r / vpp
+    assert costs.recompute_cost(s, 1, 0) == 0.2  # recompute[1] / vpp
+    assert costs.recompute_cost(s, 1, 1) == 0.9  # the chunk's own
+    assert costs.chunk_costs(s, 0, 1) == {Op.F: 0.5, Op.B: 1.5, Op.I: 1.0, Op.W: 0.5}
+    with pytest.raises(ValueError, match=r"cost recompute\[\(1, 1\)\] must be >= 0"):
+        Costs(recompute={(1, 1): -0.1})
+    with pytest.raises(ValueError, match="rank \\(int\\) or a \\(rank, chunk\\) pair"):
+        Costs(recompute={"r0": 1.0})
+    with pytest.raises(ValueError, match="t_r must be >= 0"):
+        Costs(t_r=-1.0)
+
+
 # --- validator ------------------------------------------------------------------------------
 
 

@@ -41,6 +41,12 @@ tail (a process waking up milliseconds late) that a median would drop. Measured 
 is then what none of these averages capture: where the slow hops and wake-ups fell (on the
 critical path or not), stragglers, clock alignment error across hosts.
 
+**Activation recompute.** A recomputing layer runs its forward again inside its backward (a
+fused ``B``, or the ``I`` of a split one), so the measured ``B``/``I`` costs above already hold
+that time and the expectation has it; adding a recompute term to them would count it twice. An
+expectation built from a cost model instead (no measurement yet) adds it with
+``Costs(recompute=...)``: :func:`plan_recompute_costs` gives the ``recompute="auto"`` plan's.
+
 Example:
     >>> from lightning_pp.records import StepEvent, StepRecord
     >>> from lightning_pp.schedules import build_schedule, simulate
@@ -59,20 +65,27 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from ..records import StepEvent, StepRecord
 from ..schedules import Action, Costs, Op, Schedule, SimResult, simulate
 from ..schedules.simulate import peak_inflight
 
+if TYPE_CHECKING:
+    from ..recompute_plan import RecomputePlan
+
 __all__ = [
     "BubbleStats",
     "MemoryStats",
+    "RecomputeStats",
     "bubble_stats",
     "measured_costs",
     "measured_timeline",
     "memory_stats",
     "p2p_latency",
+    "plan_recompute_costs",
     "receive_overhead",
+    "recompute_labels",
     "split_pipelines",
     "trace_events",
 ]
@@ -130,7 +143,9 @@ def split_pipelines(records: Sequence[StepRecord], pp: int) -> list[list[int]]:
 def measured_costs(records: Sequence[StepRecord]) -> Costs:
     """Mean measured compute of each ``(pp_rank, chunk)`` forward and backward, as a cost model.
 
-    A pair that never ran a backward (a forward-only step) gets backward cost 0.
+    A pair that never ran a backward (a forward-only step) gets backward cost 0. With activation
+    recompute the measured backward includes the recomputed forward, so the result has no
+    separate recompute term.
 
     Example:
         >>> from lightning_pp.schedules import build_schedule
@@ -475,3 +490,91 @@ def trace_events(
         s = records[0].schedule
         meta.update(schedule=s.name, pp=s.pp, vpp=s.vpp, microbatches=s.microbatches)
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": meta}
+
+
+# -- activation recompute ------------------------------------------------------------------
+
+
+def plan_recompute_costs(plan: RecomputePlan, schedule: Schedule) -> dict[tuple[int, int], float]:
+    """The forward time the ``recompute="auto"`` plan adds to one backward of each
+    ``(pp_rank, chunk)``, for ``Costs(recompute=...)`` (seconds per microbatch).
+
+    A rank's :attr:`~lightning_pp.recompute_plan.RankPlan.added_s` is its whole step's
+    (all microbatches), so one backward adds ``added_s / microbatches``. The plan keeps no time
+    per chunk: with ``vpp > 1`` that share is split over the rank's chunks in proportion to the
+    layers each recomputes (exact for ``vpp = 1``). Data-parallel replicas of a pipeline rank
+    are averaged.
+
+    Example (a hand-made plan: pp_rank 0 recomputes 2 layers of chunk 0 and 1 of chunk 1,
+    adding 1.2 s per step of 4 microbatches):
+        >>> from lightning_pp.recompute_plan import RankPlan, RecomputePlan
+        >>> from lightning_pp.schedules import build_schedule
+        >>> s = build_schedule("interleaved", pp=2, vpp=2, microbatches=4)
+        >>> r0 = RankPlan(rank=0, pp_rank=0, budget=9, positions=[[0, 1], [1]], layers=[[0, 1],
+        ...               [5]], predicted_peak=9, none_peak=20, min_peak=5, added_s=1.2,
+        ...               total_layers=4)
+        >>> costs = plan_recompute_costs(RecomputePlan(9, s.name, [r0]), s)
+        >>> {k: round(v, 9) for k, v in costs.items()}
+        {(0, 0): 0.2, (0, 1): 0.1}
+        >>> round(simulate(s, Costs(recompute=costs)).busy[0], 9)  # 12 + 4 x (0.2 + 0.1)
+        13.2
+    """
+    sums: dict[tuple[int, int], list[float]] = defaultdict(list)
+    for r in plan.ranks:
+        per_mb = r.added_s / schedule.microbatches
+        counts = [len(p) for p in r.positions]
+        total = sum(counts)
+        for c in range(schedule.vpp):
+            n = counts[c] if c < len(counts) else 0
+            sums[(r.pp_rank, c)].append(per_mb * n / total if total else 0.0)
+    return {key: sum(v) / len(v) for key, v in sorted(sums.items())}
+
+
+def recompute_labels(chunks: Sequence[Any], targets: Sequence[Sequence[tuple[str, Any]]]) -> list:
+    """What a rank recomputes, readable: the original layer index for a whole pipeline layer
+    (``3``), ``"<index>.<module>"`` for a module inside one (``"3.fc"``, a selective spec), the
+    name inside the chunk otherwise (``"chunk<c>"`` for a chunk recomputed as one unit).
+    ``chunks`` and ``targets`` are an engine's ``chunks`` and ``recompute_targets``.
+
+    Example:
+        >>> from torch import nn
+        >>> from lightning_pp.partition import PipelineChunk
+        >>> chunk = PipelineChunk([nn.Linear(2, 2), nn.Sequential(nn.Linear(2, 2))], [4, 5])
+        >>> recompute_labels([chunk], [[("layers.0", None), ("layers.1.0", None)]])
+        [4, '5.0']
+    """
+    out: list[int | str] = []
+    for c, (chunk, picked) in enumerate(zip(chunks, targets)):
+        indices = getattr(chunk, "layer_indices", None)
+        for name, _ in picked:
+            head, _, rest = name.partition(".")
+            pos, _, sub = rest.partition(".")
+            if head == "layers" and pos.isdigit() and indices is not None:
+                index = indices[int(pos)]
+                out.append(index if not sub else f"{index}.{sub}")
+            else:
+                out.append(name or f"chunk{c}")
+    return out
+
+
+@dataclass(frozen=True)
+class RecomputeStats:
+    """One rank's activation recompute in one measured step.
+
+    ``layers``: what it recomputes (:func:`recompute_labels`); ``saved_bytes``: the measured
+    peak of saved activation bytes (:attr:`MemoryStats.saved_bytes`); ``predicted_bytes``: the
+    ``recompute="auto"`` plan's predicted peak for this rank (``None`` for other specs, which
+    have no plan); ``ratio``: measured / predicted.
+    """
+
+    rank: int
+    pp_rank: int
+    layers: tuple[int | str, ...]
+    saved_bytes: int
+    predicted_bytes: int | None = None
+
+    @property
+    def ratio(self) -> float | None:
+        if not self.predicted_bytes:
+            return None
+        return self.saved_bytes / self.predicted_bytes

@@ -28,12 +28,22 @@ class Costs:
     half of that ``t_b`` each, or ``(t_f, t_b, t_i, t_w)``. ``latency`` is added on every
     dependency that crosses ranks (a send/receive).
 
+    Activation recompute: ``t_r`` is the forward time recompute adds to one backward of a rank's
+    whole share (``t_r / vpp`` per chunk, like ``t_f``); ``recompute`` sets it per rank
+    (``{rank: seconds}``, the rank's whole share, split evenly over its chunks) or per chunk
+    (``{(rank, chunk): seconds}``, absolute), the most specific key winning. It is added to a
+    fused ``B`` and to an ``I`` (a split backward recomputes the forward before the input
+    gradient; ``W`` reuses what ``I`` recomputed and gets none), on top of ``t_b``/``t_i`` and
+    of ``overrides``, which are the costs without recompute. Default 0: no change.
+
     Example:
         >>> from lightning_pp.schedules import build_schedule, simulate
         >>> simulate(build_schedule("1f1b", pp=4, microbatches=8), Costs(t_f=1, t_b=2)).makespan
         33.0
         >>> Costs(t_b=3.0, t_i=2.0).t_w
         1.0
+        >>> Costs(t_r=0.5).chunk_costs(build_schedule("1f1b", pp=2, microbatches=2), 0, 0)[Op.B]
+        2.5
     """
 
     t_f: float = 1.0
@@ -42,6 +52,8 @@ class Costs:
     latency: float = 0.0
     t_i: float | None = None
     t_w: float | None = None
+    t_r: float = 0.0
+    recompute: Mapping[int | tuple[int, int], float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # Resolve the split first so that every field reads as a number afterwards.
@@ -61,6 +73,16 @@ class Costs:
                     f"got {costs!r}"
                 )
             values[f"overrides[{key}]"] = min(costs)
+        values["t_r"] = self.t_r
+        for key, seconds in self.recompute.items():
+            ok = isinstance(key, int) or (
+                isinstance(key, tuple) and len(key) == 2 and all(isinstance(k, int) for k in key)
+            )
+            if not ok:
+                raise ValueError(
+                    f"recompute keys must be a rank (int) or a (rank, chunk) pair, got {key!r}"
+                )
+            values[f"recompute[{key}]"] = seconds
         for name, value in values.items():
             if not value >= 0:  # also rejects NaN
                 hint = " (t_i or t_w larger than t_b? give both)" if name in ("t_i", "t_w") else ""
@@ -80,7 +102,18 @@ class Costs:
         else:
             tf, tb = costs
             ti = tw = tb / 2
-        return {Op.F: float(tf), Op.B: float(tb), Op.I: float(ti), Op.W: float(tw)}
+        tr = self.recompute_cost(schedule, rank, chunk)
+        return {Op.F: float(tf), Op.B: float(tb) + tr, Op.I: float(ti) + tr, Op.W: float(tw)}
+
+    def recompute_cost(self, schedule: Schedule, rank: int, chunk: int) -> float:
+        """The forward time recompute adds to one backward (``B`` or ``I``) of ``chunk`` on
+        ``rank``: ``recompute[(rank, chunk)]``, else ``recompute[rank] / vpp``, else
+        ``t_r / vpp``."""
+        if (rank, chunk) in self.recompute:
+            return float(self.recompute[(rank, chunk)])
+        if rank in self.recompute:
+            return float(self.recompute[rank]) / schedule.vpp
+        return float(self.t_r) / schedule.vpp
 
     def duration(self, schedule: Schedule, rank: int, action: Action) -> float:
         """Time ``action`` takes on ``rank`` under this cost model."""
