@@ -8,7 +8,8 @@ microbatch, so a ``self.log`` there is refused with an error naming the hook
 
 Example::
 
-    strategy.engine = build_engine(strategy)   # at the end of PipelineStrategy.setup
+    strategy.grad_sync = build_grad_sync(strategy)   # at the end of PipelineStrategy.setup
+    strategy.engine = build_engine(strategy)
     if strategy.is_global_zero:
         log_start(strategy)
 """
@@ -20,16 +21,29 @@ from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
+from .grad_sync import DeferredGradSync
 from .stage_logging import refuse_logs
 
 if TYPE_CHECKING:
     from .engine import PipelineEngine
     from .strategy import PipelineStrategy
 
-__all__ = ["build_engine", "log_start"]
+__all__ = ["build_engine", "build_grad_sync", "log_start"]
 
 #: the strategy's logger: the start log reads as the strategy's, as it always has
 log = logging.getLogger("lightning_pp.strategy")
+
+
+def build_grad_sync(strategy: PipelineStrategy) -> DeferredGradSync:
+    """The deferred data-parallel all-reduce of this rank's chunks' gradients (the engine fires
+    a chunk's buckets after its last backward)."""
+    assert strategy.topology is not None and strategy.groups is not None
+    return DeferredGradSync(
+        [list(c.parameters()) for c in strategy.chunks],
+        strategy.groups.dp_group,
+        strategy.topology.dp,
+        strategy.bucket_cap_mb,
+    )
 
 
 def build_engine(strategy: PipelineStrategy) -> PipelineEngine:

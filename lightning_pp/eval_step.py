@@ -7,14 +7,15 @@ logs) and broadcasts it over the pipeline group, so every rank returns and logs 
 If that user hook raises on the last stage, the failure travels in place of the value and the
 other ranks stop with ``PipelineAborted`` instead of waiting in the broadcast.
 
-The strategy's ``validation_step``/``test_step``/``predict_step`` hooks call :func:`evaluate` and
-:func:`predict`; the ``split=`` path (:mod:`lightning_pp.autosplit.strategy_glue`) calls
-:func:`forward_only` with its own hook.
+The strategy's ``validation_step``/``test_step``/``predict_step`` hooks call :func:`step`, which
+picks :func:`evaluate` or :func:`predict`, or, for the ``split=`` path
+(:mod:`lightning_pp.autosplit.strategy_glue`), the module's own hook through :func:`forward_only`.
 
 Example::
 
     values = evaluate(strategy, batch, "val", strategy.precision_plugin.val_step_context)
     # {"val_loss": tensor(...)} on every rank of the pipeline, logged on every rank
+    values = step(strategy, "validation_step", (batch, batch_idx), {})   # the same, from the hook
 """
 
 from __future__ import annotations
@@ -31,7 +32,30 @@ from .stage_logging import LogCall, capture_logs, replay_logs
 if TYPE_CHECKING:
     from .strategy import PipelineStrategy
 
-__all__ = ["concat_outputs", "evaluate", "forward_only", "predict", "to_cpu"]
+__all__ = ["concat_outputs", "evaluate", "forward_only", "predict", "step", "to_cpu"]
+
+#: each forward-only Lightning hook: the precision plugin's context for it, and its data split
+_HOOKS = {
+    "validation_step": ("val_step_context", "val"),
+    "test_step": ("test_step_context", "test"),
+    "predict_step": ("predict_step_context", None),
+}
+
+
+def step(strategy: PipelineStrategy, hook: str, args: Sequence[Any], kwargs: dict) -> Any:
+    """The strategy's ``hook`` (``validation_step``, ``test_step`` or ``predict_step``): the
+    ``split=`` path runs the module's own hook on every stage; otherwise :func:`evaluate` the
+    batch (``args[0]``) on the hook's data split, or :func:`predict` it."""
+    context_name, split = _HOOKS[hook]
+    context = getattr(strategy.precision_plugin, context_name)
+    if strategy.split_pipeline is not None:
+        predicting = hook == "predict_step"
+        return strategy.split_pipeline.forward_only(
+            strategy, hook, args, kwargs, context, predict=predicting
+        )
+    if split is None:
+        return predict(strategy, args[0], context)
+    return evaluate(strategy, args[0], split, context)
 
 
 def forward_only(

@@ -129,10 +129,13 @@ def _positive_number(name: str, value: Any, unit: str, none_means: str | None = 
 # ------------------------------------------------------------------------------------ the rules
 
 
-def check_recompute(recompute: Any, activation_budget: Any) -> tuple[Any, int | None]:
-    """The recompute rules: a valid ``recompute`` (see :mod:`lightning_pp.recompute`), and an
-    ``activation_budget`` exactly when ``recompute="auto"``. Returns ``(recompute in normal
-    form, budget in bytes or None)``; errors name the key.
+def check_recompute(
+    recompute: Any, activation_budget: Any, *, split: str | None = None
+) -> tuple[Any, int | None]:
+    """The recompute rules: a valid ``recompute`` (see :mod:`lightning_pp.recompute`), an
+    ``activation_budget`` exactly when ``recompute="auto"``, and no ``"auto"`` with ``split``
+    (the strategy's ``split=``, whose stages the planner cannot measure yet). Returns
+    ``(recompute in normal form, budget in bytes or None)``; errors name the key.
 
     >>> check_recompute("auto", "1MiB")
     ('auto', 1048576)
@@ -150,6 +153,11 @@ def check_recompute(recompute: Any, activation_budget: Any) -> tuple[Any, int | 
         raise ValueError(
             f"activation_budget={activation_budget!r} is only used with recompute='auto' "
             f"(recompute is {recompute!r})"
+        )
+    if spec == "auto" and split:
+        raise ValueError(
+            "recompute='auto' is not supported with split= yet: use recompute='full' or a "
+            "list of layer indices"
         )
     return spec, budget
 

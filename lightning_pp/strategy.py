@@ -7,10 +7,11 @@ Glue only: it decides *when* Lightning's hooks run and hands the work to its col
                      -> LayerPlacement  which rank holds which layers and tied weights
                      -> LayerBuild      builds and stages this rank's layers (stage_build;
                                         SplitPipeline for split=)
-                     -> engine_build    the engine from the settings and the module's hooks
+                     -> engine_build    the engine and the DP gradient sync from the settings
+                     -> train_step      the training step, and the Trainer setup it needs
+                                        (no second backward; global-norm clipping)
                      -> eval_step       validation, test and predict: one forward-only path
                      -> compat          every private Lightning contact (_lightning_compat)
-                     -> precision       clipping by the global norm, as a plugin subclass
                      -> checkpoint      sharded save / load bodies
                      -> PipelineEngine  runs this rank's schedule (no Lightning inside)
 
@@ -32,33 +33,29 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.trainer.states import TrainerFn
-from torch import Tensor, nn
+from lightning.pytorch.strategies import StrategyRegistry
+from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from . import _lightning_compat as compat
-from . import eval_step
+from . import eval_step, train_step
 from .autosplit.strategy_glue import SplitPipeline
 from .checkpoint import (
-    load_pipeline_checkpoint,
-    module_optimizer_state,
+    load_strategy_checkpoint,
     remove_checkpoint_dir,
-    save_pipeline_checkpoint,
+    save_strategy_checkpoint,
+    strategy_optimizer_state,
 )
-from .engine_build import build_engine, log_start
+from .engine_build import build_engine, build_grad_sync, log_start
 from .failure import DEFAULT_WATCHDOG_TIMEOUT, PipelineAborted, report_failure
 from .grad_sync import DeferredGradSync, TiedParameterSync
-from .model_summary import restore_summaries, use_stage_summaries
 from .partition import PipelineChunk
 from .placement import LayerPlacement
 from .plan import PipelinePlan, check_recompute, check_settings, default_schedule
-from .precision import GlobalNormClipping, clip_by_global_norm, with_global_norm_clipping
 from .process_strategy import ProcessGroupStrategy, StartMethod
 from .recompute import RecomputeSpec
-from .recompute_plan import plan_auto
 from .stage_build import LayerBuild
 from .topology import PipelineTopology, ProcessGroups, build_process_groups
 
@@ -165,12 +162,9 @@ class PipelineStrategy(ProcessGroupStrategy):
         self.watchdog_timeout = watchdog_timeout
         self.check_finite = check_finite
         self.recv_lookahead = recv_lookahead
-        self.recompute, self.activation_budget = check_recompute(recompute, activation_budget)
-        if self.recompute == "auto" and split:
-            raise ValueError(
-                "recompute='auto' is not supported with split= yet: use recompute='full' or a "
-                "list of layer indices"
-            )
+        self.recompute, self.activation_budget = check_recompute(
+            recompute, activation_budget, split=split
+        )
         #: the ``recompute="auto"`` plan (every rank's choice), once the first batch ran
         self.recompute_plan: Any = None
         #: the ``split=`` path (an unmodified model cut between its blocks), else ``None``
@@ -288,29 +282,10 @@ class PipelineStrategy(ProcessGroupStrategy):
         self.chunks = list(self.stage_build.chunks)
         self.tied_sync = self.stage_build.tied_sync(self)
         self.tied_sync.broadcast_weights()  # the copies start from the owner's values
-
-        fitting = trainer.state.fn == TrainerFn.FITTING
-        if fitting:
-            compat.reset_optimizers_and_schedulers(self)
-            self.setup_optimizers(trainer)
-        self.setup_precision_plugin()
-        if fitting:
-            compat.optimizers_to_device(self.optimizers, self.root_device)
-            # The pipeline runs backward inside training_step; Lightning must not run it again
-            # (nor zero the gradients between our backward and the optimizer step).
-            compat.set_skip_backward(trainer, True)
-            self._unclipped_precision = self.precision_plugin
-            self.precision_plugin = with_global_norm_clipping(
-                self.precision_plugin, self.clip_grad_by_global_norm
-            )
-            # The model summary (printed at fit start) must count every stage, not rank 0's.
-            use_stage_summaries(self, trainer.callbacks)
-        self.grad_sync = DeferredGradSync(
-            [list(c.parameters()) for c in self.chunks],
-            self.groups.dp_group,
-            self.topology.dp,
-            self.bucket_cap_mb,
-        )
+        # Optimizers and precision; when fitting, Lightning's backward is switched off (the
+        # schedule runs it) and gradient clipping goes by the whole pipeline's norm.
+        train_step.setup_training(self, trainer)
+        self.grad_sync = build_grad_sync(self)
         self.engine = build_engine(self)
         if self.is_global_zero:
             log_start(self)
@@ -319,88 +294,23 @@ class PipelineStrategy(ProcessGroupStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Tensor:
         """One pipelined forward+backward over the batch; returns the batch loss on every rank."""
-        module = self.lightning_module
-        trainer = module.trainer
-        assert self.plan is not None
-        batch = args[0] if args else kwargs["batch"]
-        batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
-        self.plan.check_batch_of(batch, self.global_rank)
-        accumulate = trainer.accumulate_grad_batches
-        if batch_idx % accumulate == 0:
-            for optimizer in self.optimizers[:1]:  # automatic optimization steps optimizer 0
-                compat.call_zero_grad_hooks(trainer, optimizer, batch_idx)
-        last_micro_step = not compat.should_accumulate(trainer)
-        assert self.grad_sync is not None
-        self.grad_sync.enabled = last_micro_step
-        self._loss_scale = accumulate
-        try:
-            with self.precision_plugin.train_step_context():
-                if self.split_pipeline is not None:  # the module's own training_step per stage
-                    result = self.split_pipeline.train_step(self.engine, module, args, kwargs)
-                else:
-                    if self.recompute == "auto" and self.recompute_plan is None:
-                        assert self.activation_budget is not None
-                        self.recompute_plan = plan_auto(self.engine, batch, self.activation_budget)
-                    result = self.engine.train_step(batch)
-        finally:
-            self._loss_scale = 1
-        self.last_record = result.record
-        if last_micro_step:
-            self.grad_sync.wait()
-            self.tied_sync.all_reduce_grads()
-        loss = self._dp_mean(result.loss.detach()) * accumulate
-        # Backward already ran inside the schedule; fire the hooks users expect around it.
-        self.precision_plugin.pre_backward(loss, module)
-        self.precision_plugin.post_backward(loss, module)
-        if self.split_pipeline is not None:
-            self.split_pipeline.replay_logs(self, module)  # what training_step logged
-        else:
-            module.pipeline_log_train_loss(loss)
-        return loss
-
-    def _dp_mean(self, value: Tensor) -> Tensor:
-        assert self.topology is not None and self.groups is not None
-        if self.topology.dp == 1:
-            return value
-        value = self.all_reduce(value.clone(), group=self.groups.dp_group, what="the step loss")
-        return value / self.topology.dp
-
-    def clip_grad_by_global_norm(self, params: Sequence[nn.Parameter], max_norm: float) -> Tensor:
-        """Scale gradients so the norm over the WHOLE model (every stage) is at most ``max_norm``.
-
-        Tied copies count once (on their owner), replicas are not summed twice. Returns the
-        norm before clipping. ``gradient_clip_val`` gets here via :mod:`lightning_pp.precision`.
-        """
-        assert self.groups is not None
-        skip = self.tied_sync.non_owner_params()
-        return clip_by_global_norm(params, max_norm, self.groups.pp_group, skip=skip)
+        return train_step.train_step(self, args, kwargs)
 
     # ------------------------------------------------------------------ evaluation, prediction
     # One forward-only path (lightning_pp.eval_step): the last stage's result reaches every rank.
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        context = self.precision_plugin.val_step_context
-        if self.split_pipeline is not None:
-            return self.split_pipeline.forward_only(self, "validation_step", args, kwargs, context)
-        return eval_step.evaluate(self, args[0], "val", context)
+        return eval_step.step(self, "validation_step", args, kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        context = self.precision_plugin.test_step_context
-        if self.split_pipeline is not None:
-            return self.split_pipeline.forward_only(self, "test_step", args, kwargs, context)
-        return eval_step.evaluate(self, args[0], "test", context)
+        return eval_step.step(self, "test_step", args, kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         """The batch's output (microbatches concatenated), on every rank of the pipeline, so
         ``trainer.predict`` returns predictions on global rank 0 too (as spawn launchers need)."""
-        context = self.precision_plugin.predict_step_context
-        if self.split_pipeline is not None:
-            return self.split_pipeline.forward_only(
-                self, "predict_step", args, kwargs, context, predict=True
-            )
-        return eval_step.predict(self, args[0], context)
+        return eval_step.step(self, "predict_step", args, kwargs)
 
     # ------------------------------------------------------------------ checkpoints
     # A checkpoint is a directory: every stage writes its own tensors by original name, rank 0
@@ -419,37 +329,14 @@ class PipelineStrategy(ProcessGroupStrategy):
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """This rank's optimizer state keyed by parameter name (stages' indices would collide)."""
-        if isinstance(optimizer, LightningOptimizer):
-            optimizer = optimizer.optimizer
-        return module_optimizer_state(optimizer, self.lightning_module, self._canonical_names())
-
-    def _canonical_names(self) -> dict[str, str] | None:
-        """Tied member -> stored name, for the ``split=`` path (``None``: from the layers)."""
-        split = self.split_pipeline
-        return split.canonical_names() if split is not None else None
+        return strategy_optimizer_state(self, optimizer)
 
     @override
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
     ) -> None:
         """Collective: write this rank's shard into the checkpoint directory ``filepath``."""
-        if storage_options is not None:
-            raise TypeError(
-                "PipelineStrategy.save_checkpoint(..., storage_options=...) is not supported: "
-                "the strategy writes a sharded checkpoint directory itself, not via CheckpointIO"
-            )
-        topo, placement = self.topology, self.placement
-        assert topo is not None and placement is not None
-        save_pipeline_checkpoint(
-            checkpoint,
-            self.broadcast(str(filepath)),
-            module=self.lightning_module,
-            pp_rank=topo.pp_rank,
-            dp_rank=topo.dp_rank,
-            layout={**placement.layout(), "dp": topo.dp, "world_size": self.world_size},
-            barrier=self.barrier,
-            canonical=self._canonical_names(),
-        )
+        save_strategy_checkpoint(self, checkpoint, filepath, storage_options)
 
     @override
     def load_checkpoint(
@@ -457,17 +344,7 @@ class PipelineStrategy(ProcessGroupStrategy):
     ) -> dict[str, Any]:
         """Load this rank's layers (and optimizer state) by name, whatever pipeline shape wrote
         the checkpoint; return Lightning's metadata."""
-        trainer = self.lightning_module.trainer
-        fitting = trainer.state.fn == TrainerFn.FITTING
-        return load_pipeline_checkpoint(
-            self.broadcast(str(checkpoint_path)),
-            self.lightning_module,
-            rank=self.global_rank,
-            optimizers=list(self.optimizers) if fitting else None,
-            scheduler_configs=trainer.lr_scheduler_configs,
-            weights_only=weights_only,
-            canonical=self._canonical_names(),
-        )
+        return load_strategy_checkpoint(self, checkpoint_path, weights_only)
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
@@ -496,13 +373,7 @@ class PipelineStrategy(ProcessGroupStrategy):
 
     @override
     def teardown(self) -> None:
-        trainer = compat.trainer_of(self.lightning_module)
-        compat.set_skip_backward(trainer, False)
-        if trainer is not None:
-            restore_summaries(trainer.callbacks)
-        if isinstance(self.precision_plugin, GlobalNormClipping):
-            self.precision_plugin = self._unclipped_precision
-        self._unclipped_precision = None
+        train_step.teardown_training(self)  # Lightning's own backward, summaries, precision
         self.engine = None
         super().teardown()
 
@@ -519,10 +390,5 @@ class PipelineStrategy(ProcessGroupStrategy):
                 )
 
 
-def _register() -> None:
-    from lightning.pytorch.strategies import StrategyRegistry
-
-    PipelineStrategy.register_strategies(StrategyRegistry)
-
-
-_register()
+# On import, so that Trainer(strategy="pipeline") and the YAML config's name resolve.
+PipelineStrategy.register_strategies(StrategyRegistry)
