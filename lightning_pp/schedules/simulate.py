@@ -74,15 +74,17 @@ class Costs:
                 )
             values[f"overrides[{key}]"] = min(costs)
         values["t_r"] = self.t_r
-        for key, seconds in self.recompute.items():
-            ok = isinstance(key, int) or (
-                isinstance(key, tuple) and len(key) == 2 and all(isinstance(k, int) for k in key)
+        for where, seconds in self.recompute.items():
+            ok = isinstance(where, int) or (
+                isinstance(where, tuple)
+                and len(where) == 2
+                and all(isinstance(k, int) for k in where)
             )
             if not ok:
                 raise ValueError(
-                    f"recompute keys must be a rank (int) or a (rank, chunk) pair, got {key!r}"
+                    f"recompute keys must be a rank (int) or a (rank, chunk) pair, got {where!r}"
                 )
-            values[f"recompute[{key}]"] = seconds
+            values[f"recompute[{where}]"] = seconds
         for name, value in values.items():
             if not value >= 0:  # also rejects NaN
                 hint = " (t_i or t_w larger than t_b? give both)" if name in ("t_i", "t_w") else ""
