@@ -88,10 +88,14 @@ class _Entry:
     outputs: tuple[torch.Tensor, ...]  # outputs that take part in backward (or the scaled loss)
     grad_positions: list[int]  # index of each of ``outputs`` among the floating outputs
     out_specs: list[Spec]  # every floating output's spec
-    saved_bytes: int = 0
+    saved_keys: dict[Any, int] = field(default_factory=dict)  # the meter's storages: bytes
     held: list[tuple[_Key, int]] = field(default_factory=list)  # (key, bytes) of each tensor
-    saved_keys: dict[Any, int] = field(default_factory=dict)  # the meter's storages of saved_bytes
     frames: list[RecomputeOnce] = field(default_factory=list)  # recomputed regions (split only)
+
+    @property
+    def saved_bytes(self) -> int:
+        """Bytes autograd saved for this forward, as the meter counted them."""
+        return sum(self.saved_keys.values())
 
 
 class Stash:
@@ -390,7 +394,6 @@ class StepRun:
                 tuple(floating[i] for i in grad_idx),
                 grad_idx,
                 [(tuple(t.shape), t.dtype) for t in floating],
-                sum(saved.values()),
                 saved_keys=saved,
                 frames=frames,
             )
@@ -429,7 +432,6 @@ class StepRun:
                     (scaled,),
                     [0],
                     [],
-                    sum(saved.values()),
                     saved_keys=saved,
                     frames=frames,
                 ),

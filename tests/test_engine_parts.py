@@ -34,12 +34,12 @@ def test_stash_totals_match_a_rescan_through_release_and_shared_tensors():
     for mb in range(3):
         x = shared if mb < 2 else torch.randn(4, 8)
         y = x @ w
-        stash.push(0, _Entry(mb, (x,), (y, y), [0, 1], [], saved_bytes=10 * (mb + 1)))
+        stash.push(0, _Entry(mb, (x,), (y, y), [0, 1], [], saved_keys={mb: 10 * (mb + 1)}))
         checks.append((stash.nbytes, _rescanned_bytes(stash)))
         stash.release_outputs(0)  # y (listed twice) now holds a 1-element storage
         checks.append((stash.nbytes, _rescanned_bytes(stash)))
         # the next chunk receives y's data as its input (pp=1 style hand-over: an alias)
-        stash.push(1, _Entry(mb, (x.detach(),), (), [], [], saved_bytes=1))
+        stash.push(1, _Entry(mb, (x.detach(),), (), [], [], saved_keys={mb: 1}))
         checks.append((stash.nbytes, _rescanned_bytes(stash)))
     assert stash.inflight == 6 and stash.saved_bytes == 10 + 20 + 30 + 3
     for chunk in (1, 0, 1, 0, 1, 0):
