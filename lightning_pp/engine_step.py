@@ -31,6 +31,7 @@ from .p2p_order import message_order
 from .recompute import RecomputeOnce, recompute_active
 from .recompute_plan import LayerProbe, measure_chunk
 from .records import StepRecorder
+from .saved_for_w import SavedForW
 from .schedules import Action, Op, Schedule
 from .split_backward import WeightWork, backward_input, fused_backward
 from .topology import PipelineTopology
@@ -91,6 +92,7 @@ class _Entry:
     saved_keys: dict[Any, int] = field(default_factory=dict)  # the meter's storages: bytes
     held: list[tuple[_Key, int]] = field(default_factory=list)  # (key, bytes) of each tensor
     frames: list[RecomputeOnce] = field(default_factory=list)  # recomputed regions (split only)
+    kept: SavedForW | None = None  # what the forward saved, trimmed after I (split only)
 
     @property
     def saved_bytes(self) -> int:
@@ -352,11 +354,17 @@ class StepRun:
             x = inputs if arrived.is_tuple else inputs[0]
         saved: dict[Any, int] = {}
         frames: list[RecomputeOnce] = []
+        kept: SavedForW | None = None
         args = (x, microbatch) if engine.chunk_gets_microbatch else (x,)
         try:
             if self.probes is not None:
                 with torch.enable_grad():
-                    out, self.probes[c] = measure_chunk(engine.chunks[c], args, self._saved_key)
+                    out, self.probes[c] = measure_chunk(
+                        engine.chunks[c],
+                        args,
+                        self._saved_key,
+                        split=engine.schedule.split_backward,
+                    )
                 out = _detached(out)  # the graph was measured; nothing goes backward
             elif self.train and engine.recomputes(c):
                 with recompute_active(
@@ -364,9 +372,9 @@ class StepRun:
                     split=engine.schedule.split_backward,
                     again=engine.recompute_again,
                 ) as frames:
-                    out = self._run_chunk(c, args, saved)
+                    out, kept = self._run_chunk(c, args, saved)
             else:
-                out = self._run_chunk(c, args, saved)
+                out, kept = self._run_chunk(c, args, saved)
         except Exception as e:
             if place.first:
                 raise
@@ -382,7 +390,7 @@ class StepRun:
                 check.batch_input(action, x)
             check.forward_output(action, out, x)
         if place.last:
-            self._add_loss(action, out, microbatch, inputs, saved, frames)
+            self._add_loss(action, out, microbatch, inputs, saved, frames, kept)
             return []
         outs, is_tuple = _as_tuple(out, f"output of chunk {c} (stage {s})")
         if self.train:
@@ -396,6 +404,7 @@ class StepRun:
                 [(tuple(t.shape), t.dtype) for t in floating],
                 saved_keys=saved,
                 frames=frames,
+                kept=kept,
             )
             self.stash.push(c, entry)
         return [Message(ACT, place.next_rank, s + 1, mb, outs, is_tuple)]
@@ -408,6 +417,7 @@ class StepRun:
         inputs: tuple[torch.Tensor, ...],
         saved: dict[Any, int],
         frames: list[RecomputeOnce],
+        kept: SavedForW | None,
     ) -> None:
         """Last stage: the microbatch's loss, scaled into the step loss (and stashed)."""
         engine = self.engine
@@ -434,15 +444,28 @@ class StepRun:
                     [],
                     saved_keys=saved,
                     frames=frames,
+                    kept=kept,
                 ),
             )
 
-    def _run_chunk(self, c: int, args: tuple[Any, ...], saved: dict[Any, int]) -> Any:
-        chunk = self.engine.chunks[c]
-        if self.engine.measure_memory and self.train:
+    def _run_chunk(
+        self, c: int, args: tuple[Any, ...], saved: dict[Any, int]
+    ) -> tuple[Any, SavedForW | None]:
+        """The chunk's forward; under a split backward (not on the first stage, whose ``I``
+        is a no-op) with its saved tensors in a :class:`SavedForW`, which ``I`` trims to what
+        ``W`` needs."""
+        engine = self.engine
+        chunk = engine.chunks[c]
+        if self.train and engine.schedule.split_backward and not self.places[c].first:
+            kept = SavedForW(self._saved_key if engine.measure_memory else None)
+            with kept.hooks():
+                out = chunk(*args)
+            saved.update(kept.counted())
+            return out, kept
+        if engine.measure_memory and self.train:
             with torch.autograd.graph.saved_tensors_hooks(self._pack(saved), lambda t: t):
-                return chunk(*args)
-        return chunk(*args)
+                return chunk(*args), None
+        return chunk(*args), None
 
     def _saved_key(self, t: torch.Tensor) -> tuple[Any, int] | None:
         """How the memory meter counts a tensor autograd saves: ``(key, bytes)`` of the storage
@@ -486,13 +509,20 @@ class StepRun:
             grads = tuple(all_grads[i] for i in entry.grad_positions)
         if action.op is Op.I:
             # Input gradient only; what W needs waits in the chunk's W queue (FIFO like I's).
-            # A recomputed region (RecomputeOnce) runs its forward again here, once, and keeps
-            # the result for W: from now until W the microbatch holds those tensors too.
+            # Until W the microbatch holds only what W's nodes unpack again (a Linear's input,
+            # not a GELU's): what the forward saved is trimmed to that, and a recomputed region
+            # (RecomputeOnce), which ran its forward again here, once, keeps only that of it.
             dx, work = backward_input(tensors, grads, entry.inputs)
-            for frame in entry.frames:
-                if frame.again:
-                    frame.release()
-            self.stash.defer(c, entry, work, saved=entry.saved_bytes + self._recomputed(entry))
+            if entry.kept is not None or entry.frames:
+                w_nodes = work.nodes()
+                if entry.kept is not None:
+                    entry.kept.trim(w_nodes)
+                for frame in entry.frames:
+                    if frame.again:
+                        frame.release()
+                    else:
+                        frame.trim(w_nodes)
+            self.stash.defer(c, entry, work, saved=self._held_until_w(entry))
             got = [g for t, g in zip(entry.inputs, dx) if t.is_floating_point()]
         else:
             fused_backward(tensors, grads)
@@ -507,18 +537,18 @@ class StepRun:
             self.engine.finite_checker.input_grads(action, in_grads)
         return [Message(GRAD, place.prev_rank, place.stage - 1, mb, in_grads, True)]
 
-    def _recomputed(self, entry: _Entry) -> int:
-        """Bytes the entry's recomputed regions hold after ``I`` (storages its forward did not
-        already count), for the memory meter."""
-        if not entry.frames or not self.engine.measure_memory:
+    def _held_until_w(self, entry: _Entry) -> int:
+        """Bytes the entry holds from ``I`` to ``W``, for the memory meter: what its forward
+        saved (after the trim) and what its recomputed regions refilled, each storage once."""
+        if not self.engine.measure_memory:
             return 0
-        extra: dict[Any, int] = {}
+        keys = entry.kept.counted() if entry.kept is not None else dict(entry.saved_keys)
         for frame in entry.frames:
             for t in frame.held():
                 counted = self._saved_key(t)
-                if counted is not None and counted[0] not in entry.saved_keys:
-                    extra[counted[0]] = counted[1]
-        return sum(extra.values())
+                if counted is not None:
+                    keys[counted[0]] = counted[1]
+        return sum(keys.values())
 
     def _weight_backward(self, action: Action) -> None:
         """W: the weight gradients of the chunk's oldest I (FIFO), then its graph is freed."""

@@ -58,6 +58,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint, get_device_states, set_device_states
 
+from .saved_for_w import pinned_unpacks
+
 __all__ = [
     "RecomputeOnce",
     "RecomputeSpec",
@@ -329,13 +331,16 @@ class _StopRecompute(Exception):
 class _Slot:
     """One tensor the region's forward saved for backward: what autograd keeps in the graph in
     its place. Empty until the recompute fills it; then it holds the tensor for every backward
-    call that unpacks it (``I`` and ``W``), until the graph is freed."""
+    call that unpacks it (``I`` and ``W``), until the graph is freed, or until
+    :meth:`RecomputeOnce.trim` finds that ``W`` will not unpack it. ``users``: the ids of the
+    autograd nodes that unpacked it so far (during ``I``)."""
 
-    __slots__ = ("__weakref__", "spec", "value")
+    __slots__ = ("__weakref__", "spec", "users", "value")
 
     def __init__(self, spec: tuple[Any, ...]) -> None:
         self.spec = spec
         self.value: torch.Tensor | None = None
+        self.users: list[Any] = []
 
 
 class _SaveInputs(torch.autograd.Function):
@@ -455,7 +460,34 @@ class RecomputeOnce:
                 "lightning_pp recompute: a saved tensor is still empty after the region was "
                 "recomputed (was it unpacked after its graph was freed?)"
             )
+        # Which node unpacks it: trim() keeps, after I, only what W's nodes will unpack again.
+        # By id: see lightning_pp.saved_for_w (a node object here would make a cycle through
+        # the graph that outlives W).
+        node = torch._C._current_autograd_node()
+        if node is not None:
+            slot.users.append(id(node))
         return slot.value
+
+    def trim(self, weight_nodes: set[Any]) -> int:
+        """After ``I``: drop each recomputed tensor that only nodes ``W`` will not run have
+        unpacked (``weight_nodes``: :meth:`WeightWork.nodes
+        <lightning_pp.split_backward.WeightWork.nodes>`). A Linear's backward runs in both
+        ``I`` and ``W`` and keeps its input; an activation's (GELU, softmax, dropout) runs only
+        in ``I``, so what it saved is freed here rather than held until ``W``. A tensor no node
+        unpacked yet (one a weight-only node below the input path saved) is kept. Should ``W``
+        unpack a dropped tensor after all, the region is recomputed again: correct, and slower
+        (``recomputes`` counts it). Returns the number of tensors dropped."""
+        ids = {id(n) for n in weight_nodes}
+        dropped = 0
+        for ref in self.slots:
+            slot = ref()
+            if slot is None:
+                continue
+            users, slot.users = slot.users, []
+            if slot.value is not None and users and not any(u in ids for u in users):
+                slot.value = None
+                dropped += 1
+        return dropped
 
     def release(self) -> None:
         """Drop what the recompute filled: the next backward call that needs it (``W``)
@@ -465,9 +497,14 @@ class RecomputeOnce:
             slot = ref()
             if slot is not None:
                 slot.value = None
+                slot.users = []
 
     def _inputs(self) -> tuple[list[Any], dict[str, Any]]:
-        saved = [t.detach().requires_grad_(t.requires_grad) for t in self._saver.saved_tensors]
+        # Pinned: read from inside I, needed again should W recompute (an outer SavedForW
+        # must not free them after I).
+        with pinned_unpacks():
+            held = self._saver.saved_tensors
+        saved = [t.detach().requires_grad_(t.requires_grad) for t in held]
 
         def value(item: Any) -> Any:
             return saved[item[1]] if item[0] == "t" else item[1]

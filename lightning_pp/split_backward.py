@@ -54,7 +54,13 @@ from dataclasses import dataclass, field
 import torch
 from torch.autograd.graph import GradientEdge, Node
 
-__all__ = ["SPLIT_SAFE_ATTR", "WeightWork", "backward_input", "fused_backward"]
+__all__ = [
+    "SPLIT_SAFE_ATTR",
+    "WeightWork",
+    "backward_input",
+    "fused_backward",
+    "weight_nodes",
+]
 
 SPLIT_SAFE_ATTR = "split_backward_safe"
 """A custom ``autograd.Function`` class attribute: ``True`` says its backward may run in both
@@ -80,6 +86,7 @@ class _Group:
     roots: list[Node] = field(default_factory=list)
     grads: list[list[torch.Tensor | None]] = field(default_factory=list)
     weights: list[torch.Tensor] = field(default_factory=list)
+    accumulators: list[Node] = field(default_factory=list)
 
 
 @dataclass
@@ -91,10 +98,20 @@ class WeightWork:
     groups: list[_Group] = field(default_factory=list)
     fused: bool = False
     reason: str = ""
+    graph: _Graph | None = None
+
+    def nodes(self) -> set[Node]:
+        """The nodes :meth:`run` will execute (empty once run, or with nothing to run): a
+        saved tensor that only other nodes unpack can be freed now (what
+        :meth:`RecomputeOnce.trim <lightning_pp.recompute.RecomputeOnce.trim>` does)."""
+        if self.graph is None or not self.groups:
+            return set()
+        return _nodes_run(self.groups, self.graph)
 
     def run(self) -> None:
         """Accumulate the weight gradients into ``.grad``, then drop the graph."""
         groups, self.groups = self.groups, []
+        self.graph = None
         for group in groups:
             edges, grads = [], []
             for node, node_grads in zip(group.roots, group.grads):
@@ -129,19 +146,19 @@ def _node_of(t: torch.Tensor) -> Node | None:
     return torch.autograd.graph.get_gradient_edge(t).node
 
 
-def backward_input(
-    outputs: Sequence[torch.Tensor],
-    grads: Sequence[torch.Tensor],
-    inputs: Sequence[torch.Tensor],
-) -> tuple[tuple[torch.Tensor | None, ...], WeightWork]:
-    """``I``: the gradients of ``inputs`` (``None`` for one that gets none) and the
-    :class:`WeightWork` for ``W``. ``outputs`` are the stage outputs that take part in backward
-    (or the scaled loss) and ``grads`` their gradients."""
-    want = [t for t in inputs if t.requires_grad]
-    input_nodes = {n for n in map(_node_of, want) if n is not None}
-    root_nodes = [_node_of(t) for t in outputs]
+@dataclass
+class _Graph:
+    """One walk over the autograd graph below a stage's outputs: ``order`` is post-order
+    (children first), ``reach_in`` / ``reach_w`` say whether a node leads to a stage input /
+    to a weight."""
 
-    # -- 1. one walk: post-order over the graph below the outputs ------------------------------
+    order: list[Node]
+    children: dict[Node, tuple[Node, ...]]
+    reach_in: dict[Node, bool]
+    reach_w: dict[Node, bool]
+
+
+def _walk(root_nodes: Sequence[Node | None], input_nodes: set[Node]) -> _Graph:
     children: dict[Node, tuple[Node, ...]] = {}
     order: list[Node] = []
     stack: list[tuple[Node, bool]] = [(n, False) for n in root_nodes if n is not None]
@@ -169,24 +186,53 @@ def backward_input(
             kids = children[node]
             reach_in[node] = any(reach_in[k] for k in kids)
             reach_w[node] = any(reach_w[k] for k in kids)
+    return _Graph(order, children, reach_in, reach_w)
 
-    # -- 2. intermediates: on the input path, with an edge off it that leads to weights --------
+
+def _intermediates(graph: _Graph) -> list[Node] | str:
+    """Nodes on the input path with an edge off it that leads to weights (``W``'s roots), or
+    why the backward must stay fused (a custom Function there that is not split-safe)."""
     inter: list[Node] = []
-    for node in order:
-        if reach_in[node] and any(not reach_in[k] and reach_w[k] for k in children[node]):
+    for node in graph.order:
+        if graph.reach_in[node] and any(
+            not graph.reach_in[k] and graph.reach_w[k] for k in graph.children[node]
+        ):
             if isinstance(node, torch.autograd.function.BackwardCFunction) and not getattr(
                 getattr(node, "_forward_cls", None), SPLIT_SAFE_ATTR, False
             ):
-                fused_backward(outputs, grads)
                 name = getattr(node, "_forward_cls", type(node)).__name__
-                dx = tuple(t.grad if t.requires_grad else None for t in inputs)
-                return dx, WeightWork(fused=True, reason=f"custom autograd.Function {name}")
+                return f"custom autograd.Function {name}"
             inter.append(node)
+    return inter
+
+
+def backward_input(
+    outputs: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    inputs: Sequence[torch.Tensor],
+) -> tuple[tuple[torch.Tensor | None, ...], WeightWork]:
+    """``I``: the gradients of ``inputs`` (``None`` for one that gets none) and the
+    :class:`WeightWork` for ``W``. ``outputs`` are the stage outputs that take part in backward
+    (or the scaled loss) and ``grads`` their gradients."""
+    want = [t for t in inputs if t.requires_grad]
+    input_nodes = {n for n in map(_node_of, want) if n is not None}
+    root_nodes = [_node_of(t) for t in outputs]
+
+    # -- 1. one walk: post-order over the graph below the outputs ------------------------------
+    graph = _walk(root_nodes, input_nodes)
+    reach_in = graph.reach_in
+
+    # -- 2. intermediates: on the input path, with an edge off it that leads to weights --------
+    inter = _intermediates(graph)
+    if isinstance(inter, str):
+        fused_backward(outputs, grads)
+        dx = tuple(t.grad if t.requires_grad else None for t in inputs)
+        return dx, WeightWork(fused=True, reason=inter)
     # Outputs off the input path that lead to weights (all of them on the first stage): W
     # starts there, with the gradient the caller gave.
     direct: dict[Node, list[torch.Tensor | None]] = {}
     for t, g, node in zip(outputs, grads, root_nodes):
-        if node is not None and not reach_in[node] and reach_w[node]:
+        if node is not None and not reach_in[node] and graph.reach_w[node]:
             slot = direct.setdefault(node, [None] * len(node._input_metadata))  # type: ignore[attr-defined]
             nr = t.output_nr if t.grad_fn is not None else 0
             slot[nr] = g if slot[nr] is None else slot[nr] + g
@@ -229,7 +275,56 @@ def backward_input(
 
     # -- 4. group the W roots by the weights they reach ----------------------------------------
     roots = [(n, kept[n]) for n in inter if n in kept] + list(direct.items())
-    return dx, WeightWork(groups=_group(roots, children, reach_in, reach_w))
+    return dx, WeightWork(groups=_group(roots, graph), graph=graph)
+
+
+def weight_nodes(
+    outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]
+) -> set[Node] | None:
+    """The nodes a split backward's ``W`` would run for this graph, without running anything
+    (``None`` where the backward would stay fused). Every intermediate counts as a root, as if
+    ``I`` reached it: a superset of what one ``W`` runs. Used by the recompute planner's probe
+    to tell, per saved tensor, whether it must outlive ``I``."""
+    want = [t for t in inputs if t.requires_grad]
+    input_nodes = {n for n in map(_node_of, want) if n is not None}
+    root_nodes = [_node_of(t) for t in outputs]
+    graph = _walk(root_nodes, input_nodes)
+    inter = _intermediates(graph)
+    if isinstance(inter, str):
+        return None
+    direct = [n for n in root_nodes if n is not None and not graph.reach_in[n] and graph.reach_w[n]]
+    roots = [(n, []) for n in dict.fromkeys([*inter, *direct])]
+    return _nodes_run(_group(roots, graph), graph)  # type: ignore[arg-type]
+
+
+def _nodes_run(groups: Sequence[_Group], graph: _Graph) -> set[Node]:
+    """The nodes the ``W`` engine calls execute: one call per group, from the group's roots to
+    its weights, so a node runs in the call of group g when a root of g reaches it and it
+    reaches a weight of g. Two linear passes with a bit per group: what each node reaches
+    (post-order), and which roots reach it (reverse post-order, parents first)."""
+    to: dict[Node, int] = {}
+    for g, group in enumerate(groups):
+        for acc in group.accumulators:
+            to[acc] = to.get(acc, 0) | (1 << g)
+    for node in graph.order:
+        bits = to.get(node, 0)
+        for k in graph.children[node]:
+            bits |= to.get(k, 0)
+        to[node] = bits
+    frm: dict[Node, int] = {}
+    for g, group in enumerate(groups):
+        for root in group.roots:
+            frm[root] = frm.get(root, 0) | (1 << g)
+    run: set[Node] = set()
+    for node in reversed(graph.order):
+        bits = frm.get(node, 0)
+        if not bits:
+            continue
+        if bits & to.get(node, 0):
+            run.add(node)
+        for k in graph.children[node]:
+            frm[k] = frm.get(k, 0) | bits
+    return run
 
 
 def _scatter(
@@ -239,13 +334,9 @@ def _scatter(
     return tuple(by_id.get(id(t)) for t in inputs)
 
 
-def _group(
-    roots: list[tuple[Node, list[torch.Tensor | None]]],
-    children: dict[Node, tuple[Node, ...]],
-    reach_in: dict[Node, bool],
-    reach_w: dict[Node, bool],
-) -> list[_Group]:
+def _group(roots: list[tuple[Node, list[torch.Tensor | None]]], graph: _Graph) -> list[_Group]:
     """One :class:`_Group` per set of roots connected by shared weights (union-find)."""
+    children, reach_in, reach_w = graph.children, graph.reach_in, graph.reach_w
     parent = list(range(len(roots)))
 
     def find(i: int) -> int:
@@ -283,8 +374,8 @@ def _group(
         g.roots.append(node)
         g.grads.append(grads)
         for acc in weights_of[i]:
-            if all(acc is not w for w in g.weights):
-                g.weights.append(acc)
+            if all(acc is not w for w in g.accumulators):
+                g.accumulators.append(acc)
     for g in groups.values():
-        g.weights = [acc.variable for acc in g.weights]  # type: ignore[attr-defined]
+        g.weights = [acc.variable for acc in g.accumulators]  # type: ignore[attr-defined]
     return list(groups.values())
