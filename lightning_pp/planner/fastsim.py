@@ -37,42 +37,54 @@ class CompiledSchedule:
     def __init__(self, schedule: Schedule) -> None:
         self.schedule = schedule
         backward_ops = _backward_ops(schedule)
-        pp = schedule.pp
-        deps_of = {
-            (r, a): dependencies(schedule, r, a, backward_ops)
-            for r, actions in enumerate(schedule.ranks)
-            for a in actions
-        }
-        # The event-driven order of execute(): advance every rank as far as its dependencies
-        # allow, round-robin. It depends on the structure only, never on the durations.
-        order: list[tuple[int, object]] = []
-        done: set[tuple[int, object]] = set()
-        pos = [0] * pp
-        remaining = sum(len(a) for a in schedule.ranks)
-        while remaining:
-            before = remaining
-            for r, actions in enumerate(schedule.ranks):
-                while pos[r] < len(actions):
-                    a = actions[pos[r]]
-                    if any(d not in done for d in deps_of[(r, a)]):
-                        break
-                    order.append((r, a))
-                    done.add((r, a))
-                    pos[r] += 1
-                    remaining -= 1
-            if remaining == before:
-                validate(schedule)  # raises the simulator's ScheduleError, with the grid
-                raise AssertionError(f"{schedule.name}: no rank can progress")  # unreachable
-        index = {key: i for i, key in enumerate(order)}
-        self.ranks = [r for r, _ in order]
+        #: whether the schedule splits backward (I / W): a scan of every action, done once
+        self.split_backward = schedule.split_backward
+        # Steps are numbered once; every later lookup is by number (an Action's dataclass hash
+        # is the cost that dominated compiling).
+        keys = [(r, a) for r, actions in enumerate(schedule.ranks) for a in actions]
+        number = {(r, a.op, a.mb, a.chunk): i for i, (r, a) in enumerate(keys)}
+        deps = [
+            [
+                number[(d[0], d[1].op, d[1].mb, d[1].chunk)]
+                for d in dependencies(schedule, r, a, backward_ops)
+            ]
+            for r, a in keys
+        ]
+        # Kahn's topological order over both kinds of edge: a step waits for its rank's previous
+        # step and for its dependencies. Any such order gives the event-driven times (each
+        # step's start is a max over exactly those predecessors), whatever the durations.
+        after: list[list[int]] = [[] for _ in keys]
+        waiting = [0] * len(keys)
+        i = 0
+        for actions in schedule.ranks:
+            for j in range(len(actions)):
+                preds = deps[i] + [i - 1] if j else deps[i]
+                for p in preds:
+                    after[p].append(i)
+                waiting[i] = len(preds)
+                i += 1
+        ready = [i for i, w in enumerate(waiting) if w == 0]
+        order: list[int] = []
+        while ready:
+            i = ready.pop()
+            order.append(i)
+            for nxt in after[i]:
+                waiting[nxt] -= 1
+                if waiting[nxt] == 0:
+                    ready.append(nxt)
+        if len(order) != len(keys):
+            validate(schedule)  # raises the simulator's ScheduleError, with the grid
+            raise AssertionError(f"{schedule.name}: dependency cycle")  # unreachable
+        position = [0] * len(keys)
+        for k, i in enumerate(order):
+            position[i] = k
+        ops = {op: i for i, op in enumerate(_OPS)}
+        vpp = schedule.vpp
+        self.ranks = [keys[i][0] for i in order]
         self.slots = [
-            (r * schedule.vpp + a.chunk) * len(_OPS) + _OPS.index(a.op)  # type: ignore[attr-defined]
-            for r, a in order
+            (keys[i][0] * vpp + keys[i][1].chunk) * len(_OPS) + ops[keys[i][1].op] for i in order
         ]
-        self.deps = [
-            tuple((index[d], d[0] != r) for d in deps_of[(r, a)])  # type: ignore[index]
-            for r, a in order
-        ]
+        self.deps = [tuple((position[d], keys[d][0] != keys[i][0]) for d in deps[i]) for i in order]
 
     def run(self, costs: Costs) -> tuple[float, list[float]]:
         """``(makespan, busy seconds per rank)`` under ``costs`` (its ``latency`` included)."""

@@ -15,7 +15,8 @@ Per rank::
   storage two neighbouring layers both save counted once (``LayerCost.shared_bytes``). With
   ``recompute="full"`` every layer is checkpointed: until its backward a microbatch holds only
   each layer's input; under a split backward, from ``I`` (which recomputes) to ``W`` it holds
-  what the forward saved (the first stage's ``I`` is a no-op, so it keeps only the inputs).
+  what the forward saved as well (the first stage's ``I`` is a no-op, so it keeps only the
+  inputs).
   This is the quantity the engine's saved-bytes meter measures (``peak_saved_bytes``).
 - **buffers**: one forward activation and one gradient message in flight each way per chunk
   (receive and send of the chunk's input and output boundary): ``2 x (input + output)``
@@ -50,6 +51,7 @@ __all__ = [
     "OPTIMIZER_BYTES",
     "RankMemory",
     "chunk_held_bytes",
+    "chunk_refilled_bytes",
     "chunk_saved_bytes",
     "peak_activation_bytes",
     "rank_memory",
@@ -66,8 +68,19 @@ def chunk_saved_bytes(layers: Sequence[LayerCost]) -> int:
 
 def chunk_held_bytes(layers: Sequence[LayerCost]) -> int:
     """Bytes one microbatch of a fully recomputed chunk holds until its backward: each
-    checkpointed layer keeps its input."""
-    return sum(c.input_bytes for c in layers)
+    checkpointed layer keeps its input (a tensor passed through from the previous layer's
+    input, e.g. a mask, once)."""
+    return sum(c.input_bytes for c in layers) - sum(c.input_shared_bytes for c in layers[1:])
+
+
+def chunk_refilled_bytes(layers: Sequence[LayerCost]) -> int:
+    """Bytes one microbatch of a fully recomputed chunk holds between a split backward's ``I``
+    (which recomputed the forward) and its ``W``: the inputs the checkpoints hold and what the
+    recompute saved, a storage in both counted once."""
+    if not layers:
+        return 0
+    overlap = layers[0].input_self_saved_bytes + sum(c.input_saved_bytes for c in layers[1:])
+    return chunk_saved_bytes(layers) + chunk_held_bytes(layers) - overlap
 
 
 def peak_activation_bytes(
@@ -87,7 +100,8 @@ def peak_activation_bytes(
     else:
         before = [chunk_held_bytes(c) for c in chunks]
         first = [schedule.stage(rank, c) == 0 for c in range(len(chunks))]
-        after = [b if f else s for b, s, f in zip(before, saved, first)]
+        refilled = [chunk_refilled_bytes(c) for c in chunks]
+        after = [b if f else x for b, x, f in zip(before, refilled, first)]
     return max(
         (
             sum(f * b + w * a for (f, w), b, a in zip(state, before, after))

@@ -57,7 +57,13 @@ class LayerCost:
     parameters excluded); ``shared_bytes``: the part of it that the previous layer saves too
     (e.g. a tensor both keep), counted once when both layers sit in one chunk.
     ``input_bytes`` / ``boundary_bytes``: the layer's input / output activation (the latter is
-    what a stage boundary after it sends). ``params`` / ``param_bytes``: its parameters.
+    what a stage boundary after it sends); ``input_shared_bytes``: the part of the input that
+    is the previous layer's input passed through unchanged (e.g. an attention mask), held
+    once by a chunk that checkpoints both. ``input_saved_bytes``: the part of the input that
+    this layer or the previous one also saves (``input_self_saved_bytes``: this layer alone,
+    which is what counts when the layer starts a chunk), so that a microbatch holding both
+    the inputs and the saved tensors (a split backward's recompute, from ``I`` to ``W``) counts
+    each storage once. ``params`` / ``param_bytes``: its parameters.
 
     Example:
         >>> LayerCost(t_f=1.0, t_i=1.0, t_w=2.0).scaled(2).t_w
@@ -73,6 +79,9 @@ class LayerCost:
     boundary_bytes: int = 0
     input_bytes: int = 0
     shared_bytes: int = 0
+    input_shared_bytes: int = 0
+    input_saved_bytes: int = 0
+    input_self_saved_bytes: int = 0
 
     @property
     def t_b(self) -> float:
@@ -91,6 +100,9 @@ class LayerCost:
             boundary_bytes=round(self.boundary_bytes * factor),
             input_bytes=round(self.input_bytes * factor),
             shared_bytes=round(self.shared_bytes * factor),
+            input_shared_bytes=round(self.input_shared_bytes * factor),
+            input_saved_bytes=round(self.input_saved_bytes * factor),
+            input_self_saved_bytes=round(self.input_self_saved_bytes * factor),
         )
 
 

@@ -104,12 +104,23 @@ def _saved_per_layer(layers: Sequence[nn.Module], x: Any) -> tuple[list[int], li
     finally:
         for h in hooks:
             h.remove()
-    saved = [sum(p.saved.values()) for p in probes]
-    shared = [0] + [
-        sum(b for k, b in probes[i].saved.items() if k in probes[i - 1].saved)
-        for i in range(1, len(probes))
-    ]
-    return saved, shared, inputs
+    held = [{t.untyped_storage().data_ptr(): _nbytes(t) for t in _tensors(a)} for a in inputs]
+    out = []
+    for i, p in enumerate(probes):
+        prev_saved = probes[i - 1].saved if i else {}
+        prev_held = held[i - 1] if i else {}
+        out.append(
+            {
+                "saved_bytes": sum(p.saved.values()),
+                "shared_bytes": sum(b for k, b in p.saved.items() if k in prev_saved),
+                "input_shared_bytes": sum(b for k, b in held[i].items() if k in prev_held),
+                "input_saved_bytes": sum(
+                    b for k, b in held[i].items() if k in p.saved or k in prev_saved
+                ),
+                "input_self_saved_bytes": sum(b for k, b in held[i].items() if k in p.saved),
+            }
+        )
+    return out
 
 
 def _time_layer(layer: nn.Module, x: Any, repeats: int) -> tuple[float, float, float, Any]:
@@ -162,7 +173,7 @@ def profile_layers(
     started = time.perf_counter()
     for n in sorted(set(sizes)):
         x = make_input(n)
-        saved, shared, _ = _saved_per_layer(layers, x)
+        storages = _saved_per_layer(layers, x)
         costs = []
         for i, layer in enumerate(layers):
             t_f, t_i, t_w, y = _time_layer(layer, x, repeats)
@@ -171,8 +182,7 @@ def profile_layers(
                     t_f=t_f,
                     t_i=t_i,
                     t_w=t_w,
-                    saved_bytes=saved[i],
-                    shared_bytes=shared[i],
+                    **storages[i],
                     params=sum(p.numel() for p in layer.parameters()),
                     param_bytes=sum(p.numel() * p.element_size() for p in layer.parameters()),
                     input_bytes=_nbytes(x),

@@ -237,12 +237,17 @@ def memory_of(
 
 
 def step_costs(
-    plan: PipelinePlan, layers: Sequence[LayerCost], recompute: str | None, profile: ModelProfile
+    plan: PipelinePlan,
+    layers: Sequence[LayerCost],
+    recompute: str | None,
+    profile: ModelProfile,
+    split: bool | None = None,
 ) -> Costs:
-    """The simulator's cost model of a candidate (see the module notes)."""
+    """The simulator's cost model of a candidate (see the module notes). ``split``: whether
+    the schedule splits backward, when known (finding out scans every action)."""
     oh = profile.overhead_s
     schedule = plan.schedule
-    split = schedule.split_backward  # a scan of every action: once
+    split = schedule.split_backward if split is None else split
     overrides: dict[tuple[int, int], tuple[float, ...]] = {}
     extra: dict[int | tuple[int, int], float] = {}
     for r, chunks in enumerate(_rank_chunks(plan, layers)):
@@ -271,14 +276,16 @@ def predict(
     optimizer: str = "adam",
     memory: tuple[RankMemory, ...] | None = None,
     compiled: CompiledSchedule | None = None,
+    layers: Sequence[LayerCost] | None = None,
 ) -> Prediction:
     """Simulate one candidate (``plan``: its checked plan, layers split as ``counts``;
     ``compiled``: ``plan.schedule`` compiled, reused across candidates of one schedule)."""
-    layers = profile.layers(candidate.microbatch_size)
+    layers = profile.layers(candidate.microbatch_size) if layers is None else layers
     if memory is None:
         memory = memory_of(plan, layers, candidate.recompute, optimizer)
     compiled = compiled or CompiledSchedule(plan.schedule)
-    makespan, busy = compiled.run(step_costs(plan, layers, candidate.recompute, profile))
+    costs = step_costs(plan, layers, candidate.recompute, profile, compiled.split_backward)
+    makespan, busy = compiled.run(costs)
     compute = sum(busy)
     bubble = (makespan * len(busy) - compute) / compute if compute > 0 else 0.0
     grads = max(m.grads for m in memory)
@@ -337,15 +344,15 @@ def _base_plans(
 
 
 def _splits(
-    profile: ModelProfile, plan: PipelinePlan, size: float, space: SearchSpace
+    layers: Sequence[LayerCost], plan: PipelinePlan, space: SearchSpace
 ) -> list[tuple[str, tuple[int, ...]]]:
-    n, k = profile.num_layers, plan.num_stages
+    n, k = len(layers), plan.num_stages
     out: list[tuple[str, tuple[int, ...]]] = []
     for split in space.splits:
         if split == "uniform":
             ranges = partition_layers(n, plan.pp, plan.vpp, "uniform")
         else:
-            weights = [c.t_f + c.t_b for c in profile.layers(size)]
+            weights = [c.t_f + c.t_b for c in layers]
             ranges = partition_layers(n, plan.pp, plan.vpp, "cost", layer_costs=weights)
         counts = tuple(len(r) for r in ranges)
         if len(counts) == k and all(counts != c for _, c in out):
@@ -376,18 +383,23 @@ def search(
     over: list[Prediction] = []
     rejected: list[tuple[str, str]] = []
     considered = 0
+    layers_at: dict[float, list[LayerCost]] = {}
+    splits_of: dict[tuple[int, int, float], list[tuple[str, tuple[int, ...]]]] = {}
     for dp, plan, what, why in _base_plans(profile, world, global_batch, space):
         if plan is None:
             rejected.append((what, why))
             continue
         per = global_batch // dp
         size = per / plan.microbatches
-        layers = profile.layers(size)
+        if size not in layers_at:  # scaling a profile costs a copy per layer: once per size
+            layers_at[size] = profile.layers(size)
+        layers = layers_at[size]
+        shape = (plan.pp, plan.vpp, size)
+        if shape not in splits_of:  # the cost split's exact balancing: once per shape and size
+            splits_of[shape] = _splits(layers, plan, space)
         compiled: CompiledSchedule | None = None  # compiled on first use: over-memory skip it
         inflight = [inflight_profile(plan.schedule, r) for r in range(plan.pp)]
-        for (split, counts), recompute in itertools.product(
-            _splits(profile, plan, size, space), space.recomputes
-        ):
+        for (split, counts), recompute in itertools.product(splits_of[shape], space.recomputes):
             considered += 1
             laid = _with_counts(plan, counts, profile.num_layers)
             cand = Candidate(
