@@ -111,8 +111,11 @@ def run_search(cfg: RunConfig, args: argparse.Namespace, command: str = "plan") 
         source = f"loaded {args.profile}"
     else:
         sizes = candidate_sizes(world, global_batch, args.max_microbatches)
-        profile = profile_config(cfg, sizes, cache_dir=args.cache_dir, repeats=args.repeats)
-        source = f"measured on {profile.device} (microbatch sizes {profile.sizes})"
+        profile = profile_config(
+            cfg, sizes, cache_dir=args.cache_dir, repeats=args.repeats, world=world
+        )
+        source = f"measured on {profile.device} (microbatch sizes {profile.sizes}"
+        source += "".join(f"; {n}" for n in profile.notes) + ")"
     profile = profile.with_links(
         latency_s=args.latency, bandwidth=args.bandwidth, overhead_s=args.overhead
     )

@@ -9,8 +9,10 @@ bytes autograd saves (the engine's saved-bytes meter's rule, through
 time is the fastest of ``repeats`` runs after one warm-up (see :func:`_time_layer` for why not
 the median).
 
-Link latency, bandwidth and the engine's per-action overhead are not measured here: they come
-from options (defaults in :mod:`lightning_pp.planner.profile`, see docs/planner.md).
+On a CPU host with one torch thread per process the times are process CPU time, not wall
+time (see :func:`profile_config`). Link latency, bandwidth and the engine's per-action
+overhead are not measured here: they come from options (defaults in
+:mod:`lightning_pp.planner.profile`, see docs/planner.md).
 
 Profiles are cached on disk by a hash of the model section, the input's shape, the device and
 the torch version (:func:`profile_config`); a later run that needs other microbatch sizes
@@ -25,6 +27,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -41,7 +44,14 @@ from ..recompute_plan import measure_chunk
 from ..split_backward import backward_input
 from .profile import LayerCost, ModelProfile
 
-__all__ = ["default_cache_dir", "profile_config", "profile_layers", "profile_model"]
+__all__ = [
+    "config_hash",
+    "default_cache_dir",
+    "profile_config",
+    "profile_layers",
+    "profile_model",
+    "profile_threads",
+]
 
 Log = Callable[[str], None]
 
@@ -123,7 +133,9 @@ def _saved_per_layer(layers: Sequence[nn.Module], x: Any) -> tuple[list[int], li
     return out
 
 
-def _time_layer(layer: nn.Module, x: Any, repeats: int) -> tuple[float, float, float, Any]:
+def _time_layer(
+    layer: nn.Module, x: Any, repeats: int, clock: Callable[[], float] = time.perf_counter
+) -> tuple[float, float, float, Any]:
     """Fastest (t_f, t_i, t_w) over ``repeats`` after one warm-up; and one output.
 
     The minimum, not the median: on a shared machine the noise is one-sided (another process
@@ -134,17 +146,17 @@ def _time_layer(layer: nn.Module, x: Any, repeats: int) -> tuple[float, float, f
     out: Any = None
     for r in range(repeats + 1):
         inp = _fresh(x)
-        t0 = time.perf_counter()
+        t0 = clock()
         with torch.enable_grad():
             out = layer(inp)
-        t1 = time.perf_counter()
+        t1 = clock()
         outs = [t for t in _tensors(out) if t.requires_grad]
         grads = [torch.ones_like(t) for t in outs]
-        t2 = time.perf_counter()
+        t2 = clock()
         _, work = backward_input(outs, grads, _tensors(inp))
-        t3 = time.perf_counter()
+        t3 = clock()
         work.run()
-        t4 = time.perf_counter()
+        t4 = clock()
         for p in layer.parameters():
             p.grad = None
         if r:  # the first run warms caches and allocator: not timed
@@ -160,12 +172,15 @@ def profile_layers(
     *,
     repeats: int = 3,
     log: Log | None = _stderr,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> dict[int, list[LayerCost]]:
     """Measure every layer at every microbatch size in ``sizes``.
 
     ``make_input(n)``: the first layer's input for ``n`` samples. Each later layer gets the
     previous layer's output (detached, a fresh storage, as a received stage input is).
-    ``log``: progress lines (``None``: quiet).
+    ``log``: progress lines (``None``: quiet). ``clock``: wall time by default;
+    ``time.process_time`` (CPU time) when torch runs one thread, which other processes'
+    load does not inflate (see :func:`profile_config`).
     """
     out: dict[int, list[LayerCost]] = {}
     total = len(sizes) * len(layers)
@@ -176,7 +191,7 @@ def profile_layers(
         storages = _saved_per_layer(layers, x)
         costs = []
         for i, layer in enumerate(layers):
-            t_f, t_i, t_w, y = _time_layer(layer, x, repeats)
+            t_f, t_i, t_w, y = _time_layer(layer, x, repeats, clock)
             costs.append(
                 LayerCost(
                     t_f=t_f,
@@ -224,6 +239,7 @@ def profile_model(
     repeats: int = 3,
     model_hash: str = "",
     log: Log | None = _stderr,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> ModelProfile:
     """Profile a built :class:`~lightning_pp.model.PipelineMixin` module: its
     ``pipeline_layers()`` fed ``pipeline_input(example_batch)`` repeated to each size."""
@@ -233,7 +249,9 @@ def profile_model(
     x0 = model.pipeline_input(example_batch)  # type: ignore[operator]
     first = _tensors(x0)[0]
     tokens = int(first[0].numel()) if not first.is_floating_point() and first.dim() >= 2 else None
-    by_size = profile_layers(layers, lambda n: _repeat_to(x0, n), sizes, repeats=repeats, log=log)
+    by_size = profile_layers(
+        layers, lambda n: _repeat_to(x0, n), sizes, repeats=repeats, log=log, clock=clock
+    )
     device = first.device.type
     return ModelProfile(
         by_size,
@@ -244,7 +262,13 @@ def profile_model(
     )
 
 
-def config_hash(cfg: Any) -> str:
+def profile_threads(world: int) -> int:
+    """The torch threads each of ``world`` processes gets on this machine: Lightning gives
+    ``cpu_count // processes`` (at least 1) to each process it starts on a CPU host."""
+    return max(1, (os.cpu_count() or 1) // max(1, world))
+
+
+def config_hash(cfg: Any, threads: int = 0) -> str:
     """Hash of what the layer costs depend on: the model and data sections (the model, the
     input's shape), the accelerator, the torch version and the machine's CPU count (a proxy
     for the device). Computed without building anything, so a cache hit costs nothing."""
@@ -255,6 +279,7 @@ def config_hash(cfg: Any) -> str:
             "torch": torch.__version__,
             "cpus": os.cpu_count(),
             "accelerator": (cfg.get("trainer") or {}).get("accelerator"),
+            "threads": threads,
         },
         sort_keys=True,
         default=str,
@@ -269,14 +294,21 @@ def profile_config(
     cache_dir: str | None = None,
     repeats: int = 3,
     log: Log | None = _stderr,
+    world: int = 1,
 ) -> ModelProfile:
     """Profile every size in ``sizes`` of ``cfg``'s model on this process: build the model and
     data module, take one training batch, measure. Sizes already in the cache
     (``cache_dir/profile-<config_hash>.json``) are not measured again; a full hit builds
-    nothing."""
+    nothing.
+
+    Torch runs :func:`profile_threads` threads, as each of ``world`` training processes will.
+    With one thread the layers are timed in process CPU time: on a shared CPU host a timed run
+    that another process preempts would otherwise read many times its cost (measured: 20x
+    outliers at ``nice 19`` next to a busy process, and a wrong recommendation from them)."""
     from ..config import instantiate
 
-    digest = config_hash(cfg)
+    threads = profile_threads(world)
+    digest = config_hash(cfg, threads)
     cache_dir = cache_dir or default_cache_dir()
     path = os.path.join(cache_dir, f"profile-{digest}.json")
     cached: ModelProfile | None = None
@@ -309,7 +341,20 @@ def profile_config(
             f"profile: measuring {len(missing)} microbatch size(s) {missing} on this process "
             f"({repeats} timed runs + 1 warm-up per layer and size)"
         )
-    fresh = profile_model(model, batch, missing, repeats=repeats, model_hash=digest, log=log)
+    clock = time.process_time if threads == 1 else time.perf_counter
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        fresh = profile_model(
+            model, batch, missing, repeats=repeats, model_hash=digest, log=log, clock=clock
+        )
+    finally:
+        torch.set_num_threads(before)
+    note = (
+        f"timed with {'process CPU time' if threads == 1 else 'wall time'}, {threads} torch "
+        f"thread(s) (as each of {world} processes on {os.cpu_count()} CPUs)"
+    )
+    fresh = dataclasses.replace(fresh, notes=(note,))
     if cached is not None:
         merged = {**cached.by_size, **fresh.by_size}
         fresh = ModelProfile(
@@ -318,6 +363,7 @@ def profile_config(
             model_hash=digest,
             tokens_per_sample=fresh.tokens_per_sample,
             layer_names=fresh.layer_names,
+            notes=fresh.notes,
         )
     fresh.save(path)
     if log is not None:
