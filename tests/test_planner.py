@@ -12,8 +12,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import random
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -332,46 +330,29 @@ def test_memory_model_matches_the_engine_meter(meter):
 # ---- CLI ----------------------------------------------------------------------------------------
 
 
-def test_cli_search_with_a_fixed_profile_writes_a_loadable_config(tmp_path):
+def test_cli_search_with_a_fixed_profile_writes_a_loadable_config(tmp_path, capsys):
+    from lightning_pp.cli import main
+
     prof = _profile([_layer(2e-3)] + [_layer(1e-3)] * 4 + [_layer(2e-3)], size=8)
     path = tmp_path / "prof.json"
     prof.save(path)
     out_yaml = tmp_path / "chosen.yaml"
-    cmd = [
-        sys.executable,
-        "-m",
-        "lightning_pp.cli",
-        "plan",
-        str(ROOT / "configs" / "demo_cpu.yaml"),
-        "--search",
-        "--devices",
-        "4",
-        "--profile",
-        str(path),
-        "--top",
-        "5",
-        "--write",
-        str(out_yaml),
-    ]
-    env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
-    assert done.returncode == 0, done.stderr
-    lines = done.stdout.splitlines()
-    assert any(line.lstrip().startswith("5 ") for line in lines), done.stdout  # 5 rows
-    assert "chosen:" in done.stdout and f"wrote {out_yaml}" in done.stdout
+    args = ["plan", str(ROOT / "configs" / "demo_cpu.yaml"), "--search", "--devices", "4"]
+    args += ["--profile", str(path), "--top", "5"]
+    assert main([*args, "--write", str(out_yaml)]) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert any(line.lstrip().startswith("5 ") for line in out.splitlines()), out  # 5 rows
+    assert "chosen:" in out and f"wrote {out_yaml}" in out
     cfg = load_config(out_yaml)
     assert cfg.get("trainer.devices") == 4
-    pp, dp = cfg.get("strategy.pp"), 4 // cfg.get("strategy.pp")
+    dp = 4 // cfg.get("strategy.pp")
     assert cfg.get("data.init_args.batch_size") * dp == 64
     assert sum(cfg.get("strategy.partition")) == 6
+    # the overrides still apply, and the options may follow them
+    assert main([*args[:2], "strategy.pp=1", *args[2:]]) == 0
+    capsys.readouterr()
     # a memory limit below every candidate: exit 2, the numbers named
-    done = subprocess.run(
-        [*cmd[:-2], "--memory-per-device", "1KiB"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-        cwd=ROOT,
-    )
-    assert done.returncode == 2 and "no candidate fits" in done.stderr, done.stderr
-    assert pp >= 1
+    assert main([*args, "--memory-per-device", "1KiB"]) == 2
+    err = capsys.readouterr().err
+    assert "no candidate fits in memory_per_device=1.00 KiB (1024 bytes)" in err, err
+    assert "The nearest:" in err

@@ -82,7 +82,7 @@ def run_search(cfg: RunConfig, args: argparse.Namespace, command: str = "plan") 
         search,
     )
     from lightning_pp.planner.profiler import profile_config
-    from lightning_pp.planner.search import describe_candidate
+    from lightning_pp.planner.search import describe_memory, describe_shape
     from lightning_pp.recompute import parse_bytes
 
     started = time.perf_counter()
@@ -158,10 +158,10 @@ def run_search(cfg: RunConfig, args: argparse.Namespace, command: str = "plan") 
         "",
         format_table(result.ranked[: max(1, args.top)]),
         "",
-        f"chosen: {describe_candidate(best).split(': pipeline rank')[0]}",
+        f"chosen: {describe_shape(best.candidate)}",
         f"  predicted step {best.step_s * 1e3:.1f} ms (pipeline {best.makespan_s * 1e3:.1f} ms "
         f"+ dp all-reduce {best.allreduce_s * 1e3:.1f} ms), bubble {100 * best.bubble:.1f}%, "
-        f"peak memory {describe_candidate(best).split(' needs ')[1]}",
+        f"peak memory on pipeline rank {best.heaviest.rank} {describe_memory(best.heaviest)}",
     ]
     if args.write:
         data = chosen_config(cfg.data, best, world=world)

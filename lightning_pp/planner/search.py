@@ -69,6 +69,9 @@ __all__ = [
     "SearchResult",
     "SearchSpace",
     "allreduce_seconds",
+    "describe_candidate",
+    "describe_memory",
+    "describe_shape",
     "predict",
     "search",
 ]
@@ -437,16 +440,29 @@ def _with_counts(plan: PipelinePlan, counts: Sequence[int], num_layers: int) -> 
     return dataclasses.replace(plan, partition=tuple(counts), layer_ranges=tuple(ranges))
 
 
-def describe_candidate(p: Prediction) -> str:
-    c = p.candidate
-    heavy = p.heaviest
+def describe_shape(c: Candidate) -> str:
+    """``dp=2 x pp=2 x vpp=1, microbatches=4, schedule 1f1b, split cost (3 3), recompute none``"""
     return (
         f"dp={c.dp} x pp={c.pp} x vpp={c.vpp}, microbatches={c.microbatches}, schedule "
         f"{c.schedule}, split {c.split} ({' '.join(map(str, c.counts))}), recompute "
-        f"{c.recompute or 'none'}: pipeline rank {heavy.rank} needs {format_bytes(heavy.total)} "
-        f"({heavy.total} bytes: params {format_bytes(heavy.params)}, grads "
-        f"{format_bytes(heavy.grads)}, optimizer {format_bytes(heavy.optimizer)}, activations "
-        f"{format_bytes(heavy.activations)}, buffers {format_bytes(heavy.buffers)})"
+        f"{c.recompute or 'none'}"
+    )
+
+
+def describe_memory(m: RankMemory) -> str:
+    """``1.20 MiB (1258291 bytes: params ..., buffers ...)``: one rank's peak by part."""
+    return (
+        f"{format_bytes(m.total)} ({m.total} bytes: params {format_bytes(m.params)}, grads "
+        f"{format_bytes(m.grads)}, optimizer {format_bytes(m.optimizer)}, activations "
+        f"{format_bytes(m.activations)}, buffers {format_bytes(m.buffers)})"
+    )
+
+
+def describe_candidate(p: Prediction) -> str:
+    """The shape and what its heaviest pipeline rank needs (for error messages)."""
+    heavy = p.heaviest
+    return (
+        f"{describe_shape(p.candidate)}: pipeline rank {heavy.rank} needs {describe_memory(heavy)}"
     )
 
 
