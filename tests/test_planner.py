@@ -12,7 +12,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import random
-import time
 from pathlib import Path
 
 import pytest
@@ -118,13 +117,14 @@ def test_search_is_deterministic_and_ordered():
 
 
 def test_search_of_about_1000_candidates_is_fast():
+    # CPU time of this process: the search is single-threaded Python, so it is the work done,
+    # which the wall clock is not on a shared machine (measured 3.0 s CPU = 3.1 s wall when
+    # idle, 12.9 s wall at nice 19 beside four busy processes on two cores)
     prof = _profile([_layer(3e-3)] + [_layer(1e-3)] * 22 + [_layer(3e-3)])
-    started = time.perf_counter()
     result = search(prof, world=12, global_batch=96)
-    took = time.perf_counter() - started
-    print(f"searched {result.considered} candidates in {took:.2f} s")
+    print(f"searched {result.considered} candidates in {result.cpu_seconds:.2f} s CPU")
     assert result.considered >= 900, result.considered
-    assert took < 10.0, f"{result.considered} candidates took {took:.2f} s"
+    assert result.cpu_seconds < 10.0, f"{result.considered} candidates: {result.cpu_seconds} s"
 
 
 def test_cost_balanced_split_wins_when_first_and_last_layers_are_heavy():

@@ -154,7 +154,7 @@ def run_search(cfg: RunConfig, args: argparse.Namespace, command: str = "plan") 
         f"({len(result.ranked)} fit"
         + (f" in {args.memory_per_device}" if budget is not None else "")
         + f", {len(result.over_memory)} over memory, {len(result.rejected)} shapes refused by "
-        f"the plan rules) in {result.seconds:.2f} s",
+        f"the plan rules) in {result.seconds:.2f} s ({result.cpu_seconds:.2f} s CPU)",
         "",
         format_table(result.ranked[: max(1, args.top)]),
         "",

@@ -183,13 +183,15 @@ class Prediction:
 class SearchResult:
     """``ranked``: the candidates that fit, best first. ``over_memory``: those that do not,
     least memory first (their step time is not simulated). ``rejected``: shapes the plan
-    refused, with its message. ``seconds``: the search's wall time."""
+    refused, with its message. ``seconds`` / ``cpu_seconds``: the search's wall time and this
+    process's CPU time (the work, whatever else the machine runs)."""
 
     ranked: list[Prediction]
     over_memory: list[Prediction] = field(default_factory=list)
     rejected: list[tuple[str, str]] = field(default_factory=list)
     considered: int = 0
     seconds: float = 0.0
+    cpu_seconds: float = 0.0
 
     @property
     def best(self) -> Prediction:
@@ -381,7 +383,7 @@ def search(
             least-memory candidate and its need).
     """
     space = space or SearchSpace()
-    started = time.perf_counter()
+    started, started_cpu = time.perf_counter(), time.process_time()
     fits: list[Prediction] = []
     over: list[Prediction] = []
     rejected: list[tuple[str, str]] = []
@@ -426,7 +428,14 @@ def search(
             )
     fits.sort(key=Prediction.sort_key)
     over.sort(key=lambda p: (p.peak_bytes, p.candidate.key()))
-    result = SearchResult(fits, over, rejected, considered, time.perf_counter() - started)
+    result = SearchResult(
+        fits,
+        over,
+        rejected,
+        considered,
+        time.perf_counter() - started,
+        time.process_time() - started_cpu,
+    )
     if not fits:
         raise SearchError(
             _no_candidate_message(profile, world, global_batch, result, memory_per_device)
