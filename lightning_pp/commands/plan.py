@@ -12,6 +12,10 @@ Example::
 
     lightning-pp plan configs/gpt_1b_pp4_vpp2.yaml
     lightning-pp plan configs/demo_cpu.yaml strategy.pp=4 strategy.microbatches=8
+    lightning-pp plan configs/demo_cpu.yaml --search --devices 4   # profile + search shapes
+
+``--search`` (see :mod:`lightning_pp.commands.plan_search` and docs/planner.md) profiles the
+model and recommends a shape instead; without it the report is unchanged.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import argparse
 import sys
 
 from lightning_pp.commands._common import add_config_arguments, check_run, fail, split_options
+from lightning_pp.commands.plan_search import add_search_options, run_search
 from lightning_pp.config import ConfigError, RunConfig, load_config
 from lightning_pp.launch import detect_launch_environment
 from lightning_pp.plan import format_count
@@ -41,14 +46,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="check a run file; print resolved config, partition and schedule (no training)",
         description=_DESCRIPTION,
     )
-    add_config_arguments(p)
+    add_search_options(p)
+    add_config_arguments(p, add_search_options)
     p.set_defaults(func=run, _command="plan")
     alias = subparsers.add_parser(
         "validate",
         help="deprecated alias of `plan`",
         description=_DESCRIPTION + " Deprecated: use `lightning-pp plan`.",
     )
-    add_config_arguments(alias)
+    add_search_options(alias)
+    add_config_arguments(alias, add_search_options)
     alias.set_defaults(func=run, _command="validate")
 
 
@@ -64,6 +71,8 @@ def run(args: argparse.Namespace) -> int:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as err:
         return fail(command, str(err))
+    if getattr(args, "search", False):
+        return run_search(cfg, args, command)
     return report(cfg, command=command)
 
 

@@ -1,0 +1,176 @@
+"""``lightning-pp plan CONFIG --search``: profile the model, search pipeline shapes, recommend.
+
+Measures the config's model layer by layer on this process (or loads ``--profile FILE.json``),
+enumerates every shape for ``--devices N`` processes at the config's global batch, predicts each
+one's step time and peak memory (:mod:`lightning_pp.planner`), prints the top ``--top`` and the
+chosen one, and with ``--write FILE.yaml`` writes a run file ``lightning-pp fit`` accepts.
+
+Example::
+
+    lightning-pp plan configs/demo_cpu.yaml --search --devices 4 --write runs/planned.yaml
+    lightning-pp plan configs/demo_cpu.yaml --search --profile prof.json --memory-per-device 2GiB
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+from lightning_pp.commands._common import check_run, fail
+from lightning_pp.config import ConfigError, RunConfig
+from lightning_pp.launch import detect_launch_environment
+
+__all__ = ["add_search_options", "candidate_sizes", "run_search"]
+
+
+def add_search_options(p: argparse.ArgumentParser) -> None:
+    """The ``--search`` options of ``lightning-pp plan``."""
+    g = p.add_argument_group("search (--search)")
+    g.add_argument("--search", action="store_true", help="profile, search shapes, recommend one")
+    g.add_argument("--devices", type=int, default=None, help="world size to plan for")
+    g.add_argument("--profile", default=None, metavar="FILE.json", help="use this profile")
+    g.add_argument("--save-profile", default=None, metavar="FILE.json", help="save the profile")
+    g.add_argument("--cache-dir", default=None, help="profile cache (~/.cache/lightning_pp)")
+    g.add_argument("--top", type=int, default=10, help="rows of the table (default 10)")
+    g.add_argument("--memory-per-device", default=None, help="e.g. 8GiB: drop what exceeds it")
+    g.add_argument("--write", default=None, metavar="FILE.yaml", help="write the chosen config")
+    g.add_argument("--optimizer", default="adam", help="optimizer-state model: adam|sgd|...")
+    g.add_argument("--repeats", type=int, default=3, help="timed runs per layer (fastest kept)")
+    g.add_argument("--max-microbatches", type=int, default=64, help="largest m tried")
+    g.add_argument("--latency", type=float, default=None, help="P2P latency, seconds")
+    g.add_argument("--bandwidth", type=float, default=None, help="P2P bandwidth, bytes/s")
+    g.add_argument("--overhead", type=float, default=None, help="engine cost per action, s")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidate_sizes(world: int, global_batch: int, max_microbatches: int | None) -> list[int]:
+    """Every microbatch size a search over ``world`` processes can ask for (what to profile)."""
+    sizes = set()
+    for pp in _divisors(world):
+        dp = world // pp
+        if global_batch % dp:
+            continue
+        per = global_batch // dp
+        for m in _divisors(per):
+            if max_microbatches is None or m <= max_microbatches:
+                sizes.add(per // m)
+    return sorted(sizes)
+
+
+def _global_batch(cfg: RunConfig, dp: int) -> int | None:
+    data = cfg.get("data") or {}
+    args = (data.get("init_args") or {}) if "class_path" in data else data
+    batch = args.get("batch_size")
+    return batch * dp if isinstance(batch, int) and not isinstance(batch, bool) else None
+
+
+def run_search(cfg: RunConfig, args: argparse.Namespace, command: str = "plan") -> int:
+    """The ``--search`` report; 0, or 2 with a message."""
+    from omegaconf import OmegaConf
+
+    from lightning_pp.planner import (
+        ModelProfile,
+        SearchError,
+        SearchSpace,
+        chosen_config,
+        format_table,
+        search,
+    )
+    from lightning_pp.planner.profiler import profile_config
+    from lightning_pp.planner.search import describe_memory, describe_shape
+    from lightning_pp.recompute import parse_bytes
+
+    started = time.perf_counter()
+    try:
+        checked = check_run(cfg, detect_launch_environment(), model="require", this_machine=False)
+    except ConfigError as err:
+        return fail(command, str(err))
+    world = args.devices or checked.world
+    if world is None or world < 1:
+        return fail(command, "--search needs the world size: give --devices N (N >= 1)")
+    dp_now = checked.plan.dp if checked.plan is not None and checked.plan.dp else 1
+    global_batch = _global_batch(cfg, dp_now)
+    if global_batch is None:
+        return fail(command, "--search needs data.init_args.batch_size (an integer) in the config")
+    budget = None
+    if args.memory_per_device is not None:
+        try:
+            budget = parse_bytes(args.memory_per_device)
+        except ValueError as err:
+            return fail(command, f"--memory-per-device: {err}")
+    if args.profile:
+        try:
+            profile = ModelProfile.load(args.profile)
+        except (OSError, ValueError) as err:
+            return fail(command, f"--profile {args.profile}: {err}")
+        source = f"loaded {args.profile}"
+    else:
+        sizes = candidate_sizes(world, global_batch, args.max_microbatches)
+        profile = profile_config(
+            cfg, sizes, cache_dir=args.cache_dir, repeats=args.repeats, world=world
+        )
+        source = f"measured on {profile.device} (microbatch sizes {profile.sizes}"
+        source += "".join(f"; {n}" for n in profile.notes) + ")"
+    profile = profile.with_links(
+        latency_s=args.latency, bandwidth=args.bandwidth, overhead_s=args.overhead
+    )
+    if args.save_profile:
+        profile.save(args.save_profile)
+        source += f", saved to {args.save_profile}"
+    if checked.model_info is not None and checked.model_info.num_layers not in (
+        None,
+        profile.num_layers,
+    ):
+        return fail(
+            command,
+            f"the profile has {profile.num_layers} layers but the model has "
+            f"{checked.model_info.num_layers}: profile this config (drop --profile)",
+        )
+    try:
+        result = search(
+            profile,
+            world,
+            global_batch,
+            memory_per_device=budget,
+            space=SearchSpace(max_microbatches=args.max_microbatches),
+            optimizer=args.optimizer,
+        )
+    except SearchError as err:
+        return fail(command, str(err))
+    except ValueError as err:  # e.g. an unknown --optimizer
+        return fail(command, str(err))
+    best = result.best
+    out = [
+        f"config: {cfg.path}",
+        f"profile: {profile.num_layers} layers, {source}; P2P latency "
+        f"{profile.latency_s * 1e6:.0f} us, bandwidth {profile.bandwidth / 1e9:.2f} GB/s, "
+        f"engine overhead {profile.overhead_s * 1e3:.2f} ms per action",
+        f"search: world {world}, global batch {global_batch}: {result.considered} candidates "
+        f"({len(result.ranked)} fit"
+        + (f" in {args.memory_per_device}" if budget is not None else "")
+        + f", {len(result.over_memory)} over memory, {len(result.rejected)} shapes refused by "
+        f"the plan rules) in {result.seconds:.2f} s ({result.cpu_seconds:.2f} s CPU)",
+        "",
+        format_table(result.ranked[: max(1, args.top)]),
+        "",
+        f"chosen: {describe_shape(best.candidate)}",
+        f"  predicted step {best.step_s * 1e3:.1f} ms (pipeline {best.makespan_s * 1e3:.1f} ms "
+        f"+ dp all-reduce {best.allreduce_s * 1e3:.1f} ms), bubble {100 * best.bubble:.1f}%, "
+        f"peak memory on pipeline rank {best.heaviest.rank} {describe_memory(best.heaviest)}",
+    ]
+    if args.write:
+        data = chosen_config(cfg.data, best, world=world)
+        os.makedirs(os.path.dirname(os.path.abspath(args.write)), exist_ok=True)
+        with open(args.write, "w") as f:
+            f.write(f"# written by: lightning-pp plan {cfg.path} --search --devices {world}\n")
+            f.write(OmegaConf.to_yaml(OmegaConf.create(data)))
+        out.append(f"wrote {args.write} (train it with: lightning-pp fit {args.write})")
+    out.append(f"plan --search took {time.perf_counter() - started:.1f} s")
+    print("\n".join(out))
+    sys.stdout.flush()
+    return 0

@@ -1,0 +1,37 @@
+"""``lightning-pp plan --search``: profile a model, search pipeline shapes, recommend one.
+
+- :mod:`.profile`: :class:`ModelProfile` / :class:`LayerCost`, JSON save/load.
+- :mod:`.profiler`: measure a model's layers on this process's device (cached).
+- :mod:`.memory`: predicted peak memory per rank.
+- :mod:`.search`: enumerate, simulate, rank.
+
+Example::
+
+    prof = ModelProfile.load("profile.json")
+    result = search(prof, world=4, global_batch=64, memory_per_device=8 * 2**30)
+    print(format_table(result.ranked[:5]))
+
+See docs/planner.md.
+"""
+
+from .memory import OPTIMIZER_BYTES, RankMemory, rank_memory
+from .profile import LayerCost, ModelProfile
+from .report import chosen_config, format_table
+from .search import Candidate, Prediction, SearchError, SearchResult, SearchSpace, predict, search
+
+__all__ = [
+    "OPTIMIZER_BYTES",
+    "Candidate",
+    "LayerCost",
+    "ModelProfile",
+    "Prediction",
+    "RankMemory",
+    "SearchError",
+    "SearchResult",
+    "SearchSpace",
+    "chosen_config",
+    "format_table",
+    "predict",
+    "rank_memory",
+    "search",
+]
