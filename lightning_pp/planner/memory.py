@@ -15,8 +15,10 @@ Per rank::
   storage two neighbouring layers both save counted once (``LayerCost.shared_bytes``). With
   ``recompute="full"`` every layer is checkpointed: until its backward a microbatch holds only
   each layer's input; under a split backward, from ``I`` (which recomputes) to ``W`` it holds
-  what the forward saved as well (the first stage's ``I`` is a no-op, so it keeps only the
-  inputs).
+  what ``W`` reads of what the forward saved as well (the first stage's ``I`` is a no-op, so it
+  keeps only the inputs). Without recompute, from ``I`` to ``W`` a microbatch outside the first
+  stage holds only what ``W`` reads (``LayerCost.w_saved_bytes``; the engine frees the rest at
+  ``I``).
   This is the quantity the engine's saved-bytes meter measures (``peak_saved_bytes``).
 - **buffers**: one forward activation and one gradient message in flight each way per chunk
   (receive and send of the chunk's input and output boundary): ``2 x (input + output)``
@@ -53,6 +55,8 @@ __all__ = [
     "chunk_held_bytes",
     "chunk_refilled_bytes",
     "chunk_saved_bytes",
+    "chunk_w_bytes",
+    "chunk_w_refilled_bytes",
     "peak_activation_bytes",
     "rank_memory",
 ]
@@ -83,6 +87,21 @@ def chunk_refilled_bytes(layers: Sequence[LayerCost]) -> int:
     return chunk_saved_bytes(layers) + chunk_held_bytes(layers) - overlap
 
 
+def chunk_w_bytes(layers: Sequence[LayerCost]) -> int:
+    """Bytes one microbatch of a chunk (not the first stage) keeps from a split backward's
+    ``I`` to its ``W``, no recompute: what ``W``'s nodes read again."""
+    return sum(c.w_kept[0] for c in layers) - sum(c.w_kept[1] for c in layers[1:])
+
+
+def chunk_w_refilled_bytes(layers: Sequence[LayerCost]) -> int:
+    """:func:`chunk_refilled_bytes` under the trim after ``I``: the checkpoints' inputs and
+    what ``W`` reads of the recompute, a storage in both counted once."""
+    if not layers:
+        return 0
+    overlap = layers[0].w_kept[3] + sum(c.w_kept[2] for c in layers[1:])
+    return chunk_w_bytes(layers) + chunk_held_bytes(layers) - overlap
+
+
 def peak_activation_bytes(
     schedule: Schedule,
     rank: int,
@@ -95,13 +114,14 @@ def peak_activation_bytes(
     if recompute not in (None, "full"):
         raise ValueError(f"the memory model knows recompute None or 'full', got {recompute!r}")
     saved = [chunk_saved_bytes(c) for c in chunks]
+    # The first stage's I is a no-op: from I to W it still holds what F left.
+    first = [schedule.stage(rank, c) == 0 for c in range(len(chunks))]
     if recompute is None:
-        before = after = saved
+        before = saved
+        after = [s if f else chunk_w_bytes(c) for s, c, f in zip(saved, chunks, first)]
     else:
         before = [chunk_held_bytes(c) for c in chunks]
-        first = [schedule.stage(rank, c) == 0 for c in range(len(chunks))]
-        refilled = [chunk_refilled_bytes(c) for c in chunks]
-        after = [b if f else x for b, x, f in zip(before, refilled, first)]
+        after = [b if f else chunk_w_refilled_bytes(c) for b, c, f in zip(before, chunks, first)]
     return max(
         (
             sum(f * b + w * a for (f, w), b, a in zip(state, before, after))

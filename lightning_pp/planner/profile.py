@@ -64,6 +64,11 @@ class LayerCost:
     which is what counts when the layer starts a chunk), so that a microbatch holding both
     the inputs and the saved tensors (a split backward's recompute, from ``I`` to ``W``) counts
     each storage once. ``params`` / ``param_bytes``: its parameters.
+    ``w_saved_bytes`` (and ``w_shared_bytes``, ``input_w_saved_bytes``,
+    ``input_self_w_saved_bytes``, the same corrections): the part of ``saved_bytes`` that a
+    split backward keeps from ``I`` to ``W`` outside the first stage (what ``W``'s nodes read
+    again: a Linear's input, not a GELU's; :mod:`lightning_pp.saved_for_w`). ``None`` (a
+    profile from before they were measured): all of it.
 
     Example:
         >>> LayerCost(t_f=1.0, t_i=1.0, t_w=2.0).scaled(2).t_w
@@ -82,6 +87,10 @@ class LayerCost:
     input_shared_bytes: int = 0
     input_saved_bytes: int = 0
     input_self_saved_bytes: int = 0
+    w_saved_bytes: int | None = None
+    w_shared_bytes: int | None = None
+    input_w_saved_bytes: int | None = None
+    input_self_w_saved_bytes: int | None = None
 
     @property
     def t_b(self) -> float:
@@ -103,6 +112,30 @@ class LayerCost:
             input_shared_bytes=round(self.input_shared_bytes * factor),
             input_saved_bytes=round(self.input_saved_bytes * factor),
             input_self_saved_bytes=round(self.input_self_saved_bytes * factor),
+            **{
+                name: None if getattr(self, name) is None else round(getattr(self, name) * factor)
+                for name in (
+                    "w_saved_bytes",
+                    "w_shared_bytes",
+                    "input_w_saved_bytes",
+                    "input_self_w_saved_bytes",
+                )
+            },
+        )
+
+    @property
+    def w_kept(self) -> tuple[int, int, int, int]:
+        """(saved, shared, input-saved, input-self-saved) bytes for the span from ``I`` to
+        ``W``: the ``w_*`` fields, or the whole-forward ones where not measured."""
+        return (
+            self.saved_bytes if self.w_saved_bytes is None else self.w_saved_bytes,
+            self.shared_bytes if self.w_shared_bytes is None else self.w_shared_bytes,
+            self.input_saved_bytes
+            if self.input_w_saved_bytes is None
+            else self.input_w_saved_bytes,
+            self.input_self_saved_bytes
+            if self.input_self_w_saved_bytes is None
+            else self.input_self_w_saved_bytes,
         )
 
 

@@ -115,6 +115,7 @@ def _saved_per_layer(layers: Sequence[nn.Module], x: Any) -> tuple[list[int], li
         for h in hooks:
             h.remove()
     held = [{t.untyped_storage().data_ptr(): _nbytes(t) for t in _tensors(a)} for a in inputs]
+    w_keys, w_held = _kept_for_w_per_layer(layers, inputs, probes, key)
     out = []
     for i, p in enumerate(probes):
         prev_saved = probes[i - 1].saved if i else {}
@@ -130,7 +131,50 @@ def _saved_per_layer(layers: Sequence[nn.Module], x: Any) -> tuple[list[int], li
                 "input_self_saved_bytes": sum(b for k, b in held[i].items() if k in p.saved),
             }
         )
+        prev_w = w_keys[i - 1] if i else {}
+        out[-1].update(
+            w_saved_bytes=sum(w_keys[i].values()),
+            w_shared_bytes=sum(b for k, b in w_keys[i].items() if k in prev_w),
+            input_w_saved_bytes=sum(
+                b for k, b in w_held[i].items() if k in w_keys[i] or k in prev_w
+            ),
+            input_self_w_saved_bytes=sum(b for k, b in w_held[i].items() if k in w_keys[i]),
+        )
     return out
+
+
+def _kept_for_w_per_layer(
+    layers: Sequence[nn.Module], inputs: list[Any], probes: list[Any], key: Any
+) -> tuple[list[dict[Any, int]], list[dict[Any, int]]]:
+    """Per layer, the storages a split backward keeps from ``I`` to ``W`` outside the first
+    stage, and the layer's input storages, keyed alike. Layer 0 always sits in the first
+    stage (its ``I`` is a no-op: it keeps all it saved). Layers 1.. run again one at a time,
+    each on the previous one's output (detached: the same storage, requiring grad as a
+    received stage input does), with the probe's split analysis (``measure_chunk(split=
+    True)``). One at a time because what ``W`` reads depends on the weights the chunk shares:
+    a weight tied between two layers of one chunk makes ``W`` run the input path between
+    them, and the model cannot know the chunks here. A tie inside one chunk therefore keeps
+    more than predicted (the engine's meter shows it)."""
+    first = dict(probes[0].saved) if probes else {}
+    w_keys: list[dict[Any, int]] = [first]
+    w_held: list[dict[Any, int]] = [{}]
+
+    def detached(a: Any) -> Any:
+        if isinstance(a, torch.Tensor):
+            d = a.detach()
+            return d.requires_grad_(True) if d.is_floating_point() else d
+        if isinstance(a, (tuple, list)):
+            return type(a)(detached(t) for t in a)
+        return a
+
+    cur = inputs[1] if len(inputs) > 1 else None
+    for layer in layers[1:]:
+        x = detached(cur)
+        with torch.enable_grad():
+            cur, (probe,) = measure_chunk(PipelineChunk([layer]), (x,), key, split=True)
+        w_keys.append(dict(probe.kept_for_w))
+        w_held.append({t.untyped_storage().data_ptr(): _nbytes(t) for t in _tensors(x)})
+    return w_keys, w_held
 
 
 def _time_layer(
@@ -280,6 +324,8 @@ def config_hash(cfg: Any, threads: int = 0) -> str:
             "cpus": os.cpu_count(),
             "accelerator": (cfg.get("trainer") or {}).get("accelerator"),
             "threads": threads,
+            # 2: per-layer bytes kept from I to W (LayerCost.w_*); older caches lack them
+            "profile_format": 2,
         },
         sort_keys=True,
         default=str,
