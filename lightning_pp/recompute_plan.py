@@ -340,7 +340,7 @@ class RankPlan:
     recompute a second time for ``W`` under a split backward); ``predicted_peak`` the
     schedule's peak of saved bytes with it, ``none_peak``/``min_peak`` without recompute and
     with the least-memory choice; ``added_s`` the forward time it adds per step (all
-    microbatches)."""
+    microbatches), ``again_s`` the part of it that the second forwards add to ``W``."""
 
     rank: int
     pp_rank: int
@@ -353,6 +353,7 @@ class RankPlan:
     added_s: float
     total_layers: int
     again: list[list[int]] = field(default_factory=list)
+    again_s: float = 0.0  # of added_s: the second forwards, which run in W
 
     @property
     def fits(self) -> bool:
@@ -437,6 +438,8 @@ def plan_rank(
         min_peak=least[0],
         added_s=seconds * schedule.microbatches,
         total_layers=sum(len(p) for p in probes),
+        again_s=schedule.microbatches
+        * sum(probes[c][i].forward_s for c, o in enumerate(combo) for i in o.again),
     )
 
 

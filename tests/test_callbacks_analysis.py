@@ -371,6 +371,29 @@ def test_plan_recompute_costs_per_microbatch_split_by_layers_and_averaged_over_d
     assert plan_recompute_costs(plan, inter) == pytest.approx({(0, 0): 0.05, (0, 1): 0.15})
 
 
+def test_plan_recompute_costs_put_second_forwards_on_w():
+    """A layer recomputed again for W (zero-bubble "auto") runs its forward at I and at W:
+    the plan's added time splits into Costs(recompute=) on I and Costs(recompute_w=) on W."""
+    from dataclasses import replace
+
+    from lightning_pp.recompute_plan import RecomputePlan
+
+    s = build_schedule("zb-h1", pp=2, microbatches=4)
+    # pp_rank 1 recomputes layers 2, 3 (0.1 s each per microbatch), layer 3 again for W
+    r1 = replace(_rank_plan(1, 1, [[2, 3]], 4 * 0.3), again=[[3]], again_s=4 * 0.1)
+    plan = RecomputePlan(100, s.name, [_rank_plan(0, 0, [[]], 0.0), r1])
+    on_i = plan_recompute_costs(plan, s)
+    on_w = plan_recompute_costs(plan, s, on="w")
+    assert on_i == pytest.approx({(0, 0): 0.0, (1, 0): 0.2})
+    assert on_w == pytest.approx({(0, 0): 0.0, (1, 0): 0.1})
+    got = simulate(s, Costs(t_f=1.0, t_b=2.0, recompute=on_i, recompute_w=on_w))
+    base = simulate(s, Costs(t_f=1.0, t_b=2.0))
+    assert got.busy[1] == pytest.approx(base.busy[1] + 4 * 0.3)
+    assert got.busy[0] == pytest.approx(base.busy[0])
+    with pytest.raises(ValueError, match="on must be"):
+        plan_recompute_costs(plan, s, on="I")
+
+
 def test_recompute_labels_and_stats():
     from torch import nn
 

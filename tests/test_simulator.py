@@ -208,6 +208,19 @@ def test_recompute_per_chunk_and_per_rank_precedence():
         Costs(t_r=-1.0)
 
 
+def test_recompute_again_for_w_costs_land_on_w():
+    s = build_schedule("zb-h1", pp=2, microbatches=4)
+    costs = Costs(t_r=0.2, recompute_w={1: 0.3})
+    assert costs.chunk_costs(s, 1, 0) == {Op.F: 1.0, Op.B: 2.2, Op.I: 1.2, Op.W: 1.3}
+    assert costs.chunk_costs(s, 0, 0)[Op.W] == 1.0
+    got, base = simulate(s, costs), simulate(s, Costs(t_r=0.2))
+    assert got.busy[1] == pytest.approx(base.busy[1] + 4 * 0.3)
+    with pytest.raises(ValueError, match=r"recompute_w\[0\] must be >= 0"):
+        Costs(recompute_w={0: -1.0})
+    with pytest.raises(ValueError, match="recompute_w keys must be"):
+        Costs(recompute_w={"r0": 1.0})
+
+
 # --- validator ------------------------------------------------------------------------------
 
 

@@ -495,9 +495,14 @@ def trace_events(
 # -- activation recompute ------------------------------------------------------------------
 
 
-def plan_recompute_costs(plan: RecomputePlan, schedule: Schedule) -> dict[tuple[int, int], float]:
+def plan_recompute_costs(
+    plan: RecomputePlan, schedule: Schedule, *, on: str = "backward"
+) -> dict[tuple[int, int], float]:
     """The forward time the ``recompute="auto"`` plan adds to one backward of each
-    ``(pp_rank, chunk)``, for ``Costs(recompute=...)`` (seconds per microbatch).
+    ``(pp_rank, chunk)``, for ``Costs(recompute=...)`` (seconds per microbatch). ``on="w"``:
+    the time its second forwards add to one ``W`` instead (layers recomputed again for ``W``
+    under a split backward), for ``Costs(recompute_w=...)``; the backward share then excludes
+    them.
 
     A rank's :attr:`~lightning_pp.recompute_plan.RankPlan.added_s` is its whole step's
     (all microbatches), so one backward adds ``added_s / microbatches``. The plan keeps no time
@@ -519,10 +524,17 @@ def plan_recompute_costs(plan: RecomputePlan, schedule: Schedule) -> dict[tuple[
         >>> round(simulate(s, Costs(recompute=costs)).busy[0], 9)  # 12 + 4 x (0.2 + 0.1)
         13.2
     """
+    if on not in ("backward", "w"):
+        raise ValueError(f"on must be 'backward' or 'w', got {on!r}")
     sums: dict[tuple[int, int], list[float]] = defaultdict(list)
     for r in plan.ranks:
-        per_mb = r.added_s / schedule.microbatches
-        counts = [len(p) for p in r.positions]
+        again = [len(a) for a in r.again] if r.again else [0] * len(r.positions)
+        if on == "w":
+            per_mb = r.again_s / schedule.microbatches
+            counts = again
+        else:
+            per_mb = (r.added_s - r.again_s) / schedule.microbatches
+            counts = [len(p) for p in r.positions]
         total = sum(counts)
         for c in range(schedule.vpp):
             n = counts[c] if c < len(counts) else 0

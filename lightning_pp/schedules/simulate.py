@@ -35,6 +35,9 @@ class Costs:
     fused ``B`` and to an ``I`` (a split backward recomputes the forward before the input
     gradient; ``W`` reuses what ``I`` recomputed and gets none), on top of ``t_b``/``t_i`` and
     of ``overrides``, which are the costs without recompute. Default 0: no change.
+    ``recompute_w`` (same keys) is the forward time added to a ``W``: a layer the
+    ``"auto"`` planner recomputes again for ``W`` (``RecomputeOnce(again=True)``) runs its
+    forward a second time there. Default: none.
 
     Example:
         >>> from lightning_pp.schedules import build_schedule, simulate
@@ -54,6 +57,7 @@ class Costs:
     t_w: float | None = None
     t_r: float = 0.0
     recompute: Mapping[int | tuple[int, int], float] = field(default_factory=dict)
+    recompute_w: Mapping[int | tuple[int, int], float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # Resolve the split first so that every field reads as a number afterwards.
@@ -74,17 +78,18 @@ class Costs:
                 )
             values[f"overrides[{key}]"] = min(costs)
         values["t_r"] = self.t_r
-        for where, seconds in self.recompute.items():
-            ok = isinstance(where, int) or (
-                isinstance(where, tuple)
-                and len(where) == 2
-                and all(isinstance(k, int) for k in where)
-            )
-            if not ok:
-                raise ValueError(
-                    f"recompute keys must be a rank (int) or a (rank, chunk) pair, got {where!r}"
+        for name, table in (("recompute", self.recompute), ("recompute_w", self.recompute_w)):
+            for where, seconds in table.items():
+                ok = isinstance(where, int) or (
+                    isinstance(where, tuple)
+                    and len(where) == 2
+                    and all(isinstance(k, int) for k in where)
                 )
-            values[f"recompute[{where}]"] = seconds
+                if not ok:
+                    raise ValueError(
+                        f"{name} keys must be a rank (int) or a (rank, chunk) pair, got {where!r}"
+                    )
+                values[f"{name}[{where}]"] = seconds
         for name, value in values.items():
             if not value >= 0:  # also rejects NaN
                 hint = " (t_i or t_w larger than t_b? give both)" if name in ("t_i", "t_w") else ""
@@ -105,21 +110,38 @@ class Costs:
             tf, tb = costs
             ti = tw = tb / 2
         tr = self.recompute_cost(schedule, rank, chunk)
-        return {Op.F: float(tf), Op.B: float(tb) + tr, Op.I: float(ti) + tr, Op.W: float(tw)}
+        t_again = _lookup(self.recompute_w, schedule, rank, chunk, 0.0)
+        return {
+            Op.F: float(tf),
+            Op.B: float(tb) + tr,
+            Op.I: float(ti) + tr,
+            Op.W: float(tw) + t_again,
+        }
 
     def recompute_cost(self, schedule: Schedule, rank: int, chunk: int) -> float:
         """The forward time recompute adds to one backward (``B`` or ``I``) of ``chunk`` on
         ``rank``: ``recompute[(rank, chunk)]``, else ``recompute[rank] / vpp``, else
         ``t_r / vpp``."""
-        if (rank, chunk) in self.recompute:
-            return float(self.recompute[(rank, chunk)])
-        if rank in self.recompute:
-            return float(self.recompute[rank]) / schedule.vpp
-        return float(self.t_r) / schedule.vpp
+        return _lookup(self.recompute, schedule, rank, chunk, self.t_r)
 
     def duration(self, schedule: Schedule, rank: int, action: Action) -> float:
         """Time ``action`` takes on ``rank`` under this cost model."""
         return self.chunk_costs(schedule, rank, action.chunk)[action.op]
+
+
+def _lookup(
+    table: Mapping[int | tuple[int, int], float],
+    schedule: Schedule,
+    rank: int,
+    chunk: int,
+    default: float,
+) -> float:
+    """``table[(rank, chunk)]``, else ``table[rank] / vpp``, else ``default / vpp``."""
+    if (rank, chunk) in table:
+        return float(table[(rank, chunk)])
+    if rank in table:
+        return float(table[rank]) / schedule.vpp
+    return float(default) / schedule.vpp
 
 
 @dataclass(frozen=True)
