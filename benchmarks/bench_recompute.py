@@ -339,8 +339,8 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
     # One spawned world per schedule: each schedule's engines and torch's schedules start from
     # fresh process groups. Run in one world, zbv's measurement after zb-h1's hung in a gloo
-    # receive (3 of 3 runs of this benchmark at 8a2a4a1; not reproduced by ours or torch's
-    # runners alone: see docs/benchmarks.md, Limitations).
+    # receive (at 95ef1d6 and twice at 8a2a4a1; not reproduced by reduced runs: see
+    # docs/benchmarks.md, Limitations).
     recs = []
     for name in spec.schedules:
         one = dataclasses.replace(spec, schedules=(name,))
