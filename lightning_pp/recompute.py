@@ -58,7 +58,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint, get_device_states, set_device_states
 
-from .saved_for_w import pinned_unpacks
+from .saved_for_w import drop_unread_by_w, pinned_unpacks
 
 __all__ = [
     "RecomputeOnce",
@@ -477,17 +477,7 @@ class RecomputeOnce:
         unpacked yet (one a weight-only node below the input path saved) is kept. Should ``W``
         unpack a dropped tensor after all, the region is recomputed again: correct, and slower
         (``recomputes`` counts it). Returns the number of tensors dropped."""
-        ids = {id(n) for n in weight_nodes}
-        dropped = 0
-        for ref in self.slots:
-            slot = ref()
-            if slot is None:
-                continue
-            users, slot.users = slot.users, []
-            if slot.value is not None and users and not any(u in ids for u in users):
-                slot.value = None
-                dropped += 1
-        return dropped
+        return drop_unread_by_w(self.slots, weight_nodes)
 
     def release(self) -> None:
         """Drop what the recompute filled: the next backward call that needs it (``W``)

@@ -38,12 +38,12 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 
-__all__ = ["SavedForW", "pinned_unpacks"]
+__all__ = ["SavedForW", "drop_unread_by_w", "pinned_unpacks"]
 
 _pinning = [0]
 
@@ -71,6 +71,26 @@ class _Held:
         self.counted = counted
         self.users: list[Any] = []
         self.pinned = False
+
+
+def drop_unread_by_w(holders: Iterable[weakref.ReferenceType[Any]], weight_nodes: set[Any]) -> int:
+    """The trim rule, for any holders with ``value`` and ``users`` (node ids; an optional
+    ``pinned``): empty each live holder that some node unpacked, none of them in
+    ``weight_nodes``; forget the users recorded so far. Returns how many
+    were emptied."""
+    ids = {id(n) for n in weight_nodes}
+    dropped = 0
+    for ref in holders:
+        held = ref()
+        if held is None:
+            continue
+        users, held.users = held.users, []
+        if held.value is None or getattr(held, "pinned", False) or not users:
+            continue
+        if not any(u in ids for u in users):
+            held.value = None
+            dropped += 1
+    return dropped
 
 
 class SavedForW:
@@ -113,19 +133,7 @@ class SavedForW:
     def trim(self, weight_nodes: set[Any]) -> int:
         """Empty the holders that only nodes outside ``weight_nodes`` unpacked; return how
         many."""
-        ids = {id(n) for n in weight_nodes}
-        dropped = 0
-        for ref in self._held:
-            held = ref()
-            if held is None:
-                continue
-            users, held.users = held.users, []
-            if held.value is None or held.pinned or not users:
-                continue
-            if not any(u in ids for u in users):
-                held.value = None
-                dropped += 1
-        return dropped
+        return drop_unread_by_w(self._held, weight_nodes)
 
     def counted(self) -> dict[Any, int]:
         """The meter's storages still held (each key once): bytes."""
