@@ -73,6 +73,8 @@ def run(args: argparse.Namespace) -> int:
         return fail(command, str(err))
     if getattr(args, "search", False):
         return run_search(cfg, args, command)
+    if getattr(args, "verify", 0) or getattr(args, "calibrate", False):
+        return fail(command, "--verify and --calibrate check a search: add --search")
     return report(cfg, command=command)
 
 

@@ -42,6 +42,24 @@ def add_search_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--latency", type=float, default=None, help="P2P latency, seconds")
     g.add_argument("--bandwidth", type=float, default=None, help="P2P bandwidth, bytes/s")
     g.add_argument("--overhead", type=float, default=None, help="engine cost per action, s")
+    g.add_argument(
+        "--cores",
+        type=int,
+        default=None,
+        help="CPU cores the processes share (default: this machine's, for a CPU profile; 0: "
+        "do not model oversubscription)",
+    )
+    g.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="run the config's shape first; fit the per-action overhead and hop latency",
+    )
+    g.add_argument(
+        "--verify", type=int, default=0, metavar="K", help="run the top K and the config's shape"
+    )
+    g.add_argument("--verify-steps", type=int, default=3, help="timed steps per run (3)")
+    g.add_argument("--verify-warmup", type=int, default=2, help="warm-up steps per run (2)")
+    g.add_argument("--verify-timeout", type=float, default=300.0, help="seconds per run (300)")
 
 
 def _divisors(n: int) -> list[int]:
@@ -119,6 +137,31 @@ def run_search(cfg: RunConfig, args: argparse.Namespace, command: str = "plan") 
     profile = profile.with_links(
         latency_s=args.latency, bandwidth=args.bandwidth, overhead_s=args.overhead
     )
+    cores = args.cores
+    if cores is None and profile.device == "cpu":
+        cores = os.cpu_count()
+    verifying = args.verify > 0 or args.calibrate
+    if verifying and profile.device != "cpu":
+        return fail(
+            command, f"--verify/--calibrate run on CPU only; the profile is {profile.device}"
+        )
+    calibrated = config_run = None
+    shape = None
+    if verifying:
+        from lightning_pp.commands.plan_verify import calibrate, config_shape
+
+        shape = config_shape(cfg, profile, world, global_batch)
+    if args.calibrate:
+        assert shape is not None
+        cal, config_run, cal_msg = calibrate(cfg, profile, shape, args, world)
+        if cal is not None:
+            calibrated = cal_msg
+            profile = profile.with_links(
+                latency_s=cal.latency_s if args.latency is None else None,
+                overhead_s=cal.overhead_s if args.overhead is None else None,
+            )
+        else:
+            calibrated = cal_msg
     if args.save_profile:
         profile.save(args.save_profile)
         source += f", saved to {args.save_profile}"
@@ -139,6 +182,7 @@ def run_search(cfg: RunConfig, args: argparse.Namespace, command: str = "plan") 
             memory_per_device=budget,
             space=SearchSpace(max_microbatches=args.max_microbatches),
             optimizer=args.optimizer,
+            cores=cores or None,
         )
     except SearchError as err:
         return fail(command, str(err))
@@ -149,7 +193,13 @@ def run_search(cfg: RunConfig, args: argparse.Namespace, command: str = "plan") 
         f"config: {cfg.path}",
         f"profile: {profile.num_layers} layers, {source}; P2P latency "
         f"{profile.latency_s * 1e6:.0f} us, bandwidth {profile.bandwidth / 1e9:.2f} GB/s, "
-        f"engine overhead {profile.overhead_s * 1e3:.2f} ms per action",
+        f"engine overhead {profile.overhead_s * 1e3:.2f} ms per action"
+        + (
+            f"; {world} processes on {cores} cores: step >= world compute / cores"
+            if cores and world > cores
+            else ""
+        ),
+        *([calibrated] if calibrated else []),
         f"search: world {world}, global batch {global_batch}: {result.considered} candidates "
         f"({len(result.ranked)} fit"
         + (f" in {args.memory_per_device}" if budget is not None else "")
@@ -159,8 +209,9 @@ def run_search(cfg: RunConfig, args: argparse.Namespace, command: str = "plan") 
         format_table(result.ranked[: max(1, args.top)]),
         "",
         f"chosen: {describe_shape(best.candidate)}",
-        f"  predicted step {best.step_s * 1e3:.1f} ms (pipeline {best.makespan_s * 1e3:.1f} ms "
-        f"+ dp all-reduce {best.allreduce_s * 1e3:.1f} ms), bubble {100 * best.bubble:.1f}%, "
+        f"  predicted step {best.step_s * 1e3:.1f} ms (pipeline {best.makespan_s * 1e3:.1f} ms"
+        + (f" + oversubscription {best.contention_s * 1e3:.1f} ms" if best.contention_s else "")
+        + f" + dp all-reduce {best.allreduce_s * 1e3:.1f} ms), bubble {100 * best.bubble:.1f}%, "
         f"peak memory on pipeline rank {best.heaviest.rank} {describe_memory(best.heaviest)}",
     ]
     if args.write:
@@ -170,6 +221,20 @@ def run_search(cfg: RunConfig, args: argparse.Namespace, command: str = "plan") 
             f.write(f"# written by: lightning-pp plan {cfg.path} --search --devices {world}\n")
             f.write(OmegaConf.to_yaml(OmegaConf.create(data)))
         out.append(f"wrote {args.write} (train it with: lightning-pp fit {args.write})")
+    if args.verify > 0:
+        from lightning_pp.commands.plan_verify import verify
+        from lightning_pp.planner.search import predict
+
+        assert shape is not None
+
+        def predict_config():
+            return predict(
+                profile, shape.candidate, shape.plan, optimizer=args.optimizer, cores=cores or None
+            )
+
+        print("\n".join(out))
+        sys.stdout.flush()
+        out = ["", verify(cfg, result, shape, args, world, predict_config, config_run)]
     out.append(f"plan --search took {time.perf_counter() - started:.1f} s")
     print("\n".join(out))
     sys.stdout.flush()

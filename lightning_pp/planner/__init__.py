@@ -4,6 +4,8 @@
 - :mod:`.profiler`: measure a model's layers on this process's device (cached).
 - :mod:`.memory`: predicted peak memory per rank.
 - :mod:`.search`: enumerate, simulate, rank.
+- :mod:`.verify`: run shapes in spawned worlds, compare with the prediction, calibrate the
+  engine overhead and hop latency (imported on use: it spawns processes).
 
 Example::
 

@@ -20,6 +20,8 @@ dependency costs ``latency + boundary bytes / bandwidth`` (the largest boundary 
 The all-reduce follows the ring model, ``2 (dp-1)/dp x grad bytes / bandwidth + 2 (dp-1) x
 latency`` for the heaviest rank's gradients, added after the makespan (the engine overlaps it
 with the last backwards, so this errs on the slow side). The optimizer step is not counted.
+With ``cores`` given and more processes than cores, the pipeline's time is at least the whole
+world's compute over the cores (:func:`oversubscribed_seconds`).
 
 **Memory**: :func:`~lightning_pp.planner.memory.rank_memory` per pipeline rank; candidates whose
 heaviest rank exceeds ``memory_per_device`` are dropped (kept aside for the error message).
@@ -72,6 +74,8 @@ __all__ = [
     "describe_candidate",
     "describe_memory",
     "describe_shape",
+    "make_candidate",
+    "oversubscribed_seconds",
     "predict",
     "search",
 ]
@@ -166,6 +170,8 @@ class Prediction:
     memory: tuple[RankMemory, ...]
     samples_per_s: float
     tokens_per_s: float | None
+    #: what the oversubscription term added to the makespan (0 unless more processes than cores)
+    contention_s: float = 0.0
 
     @property
     def heaviest(self) -> RankMemory:
@@ -282,9 +288,11 @@ def predict(
     memory: tuple[RankMemory, ...] | None = None,
     compiled: CompiledSchedule | None = None,
     layers: Sequence[LayerCost] | None = None,
+    cores: int | None = None,
 ) -> Prediction:
     """Simulate one candidate (``plan``: its checked plan, layers split as ``counts``;
-    ``compiled``: ``plan.schedule`` compiled, reused across candidates of one schedule)."""
+    ``compiled``: ``plan.schedule`` compiled, reused across candidates of one schedule;
+    ``cores``: the CPU cores the processes share, see :func:`oversubscribed_seconds`)."""
     layers = profile.layers(candidate.microbatch_size) if layers is None else layers
     if memory is None:
         memory = memory_of(plan, layers, candidate.recompute, optimizer)
@@ -295,10 +303,36 @@ def predict(
     bubble = (makespan * len(busy) - compute) / compute if compute > 0 else 0.0
     grads = max(m.grads for m in memory)
     ar = allreduce_seconds(grads, candidate.dp, profile.latency_s, profile.bandwidth)
-    step = makespan + ar
+    pipeline = oversubscribed_seconds(makespan, busy, candidate.dp, cores)
+    step = pipeline + ar
     samples = candidate.batch_size * candidate.dp / step
     tokens = samples * profile.tokens_per_sample if profile.tokens_per_sample else None
-    return Prediction(candidate, step, makespan, ar, bubble, memory, samples, tokens)
+    return Prediction(
+        candidate, step, makespan, ar, bubble, memory, samples, tokens, pipeline - makespan
+    )
+
+
+def oversubscribed_seconds(
+    makespan: float, busy: Sequence[float], dp: int, cores: int | None
+) -> float:
+    """The pipeline's time when ``dp x len(busy)`` processes share ``cores`` CPU cores.
+
+    With more processes than cores the processes cannot all compute at once, so a step takes
+    at least the whole world's compute spread over the cores: ``max(makespan, dp x sum(busy)
+    / cores)`` (``busy``: each pipeline rank's compute, overheads included; every
+    data-parallel replica computes as much). A lower bound, not a schedule: it assumes the
+    cores are never idle while any process has work, and ignores the cost of switching.
+    ``cores=None`` or enough cores: the makespan unchanged.
+
+    Example:
+        >>> oversubscribed_seconds(1.0, [0.8, 0.8], dp=2, cores=2)   # 3.2 s of work on 2 cores
+        1.6
+        >>> oversubscribed_seconds(1.0, [0.8, 0.8], dp=1, cores=2)
+        1.0
+    """
+    if not cores or dp * len(busy) <= cores:
+        return makespan
+    return max(makespan, dp * sum(busy) / cores)
 
 
 def _base_plans(
@@ -373,9 +407,12 @@ def search(
     memory_per_device: int | None = None,
     space: SearchSpace | None = None,
     optimizer: str = "adam",
+    cores: int | None = None,
 ) -> SearchResult:
     """Rank every valid candidate for ``world`` processes and a global batch of
-    ``global_batch`` samples per optimizer step.
+    ``global_batch`` samples per optimizer step (``cores``: the CPU cores the processes share,
+    when they are CPU processes: see :func:`oversubscribed_seconds`; ``None``: one device
+    each).
 
     Raises:
         SearchError: no valid shape for ``world`` (naming why each ``pp`` failed and the nearest
@@ -424,7 +461,15 @@ def search(
                 continue
             compiled = compiled or CompiledSchedule(plan.schedule)
             fits.append(
-                predict(profile, cand, laid, optimizer=optimizer, memory=memory, compiled=compiled)
+                predict(
+                    profile,
+                    cand,
+                    laid,
+                    optimizer=optimizer,
+                    memory=memory,
+                    compiled=compiled,
+                    cores=cores,
+                )
             )
     fits.sort(key=Prediction.sort_key)
     over.sort(key=lambda p: (p.peak_bytes, p.candidate.key()))
@@ -441,6 +486,63 @@ def search(
             _no_candidate_message(profile, world, global_batch, result, memory_per_device)
         )
     return result
+
+
+def make_candidate(
+    profile: ModelProfile,
+    world: int,
+    global_batch: int,
+    *,
+    pp: int,
+    vpp: int,
+    microbatches: int,
+    schedule: str,
+    split: str | Sequence[int] = "uniform",
+    recompute: str | None = None,
+) -> tuple[Candidate, PipelinePlan]:
+    """One given shape as a candidate and its checked plan (the plan's rules judge it, as in
+    :func:`search`); ``split``: ``"uniform"``, ``"cost"`` (balanced as the search balances)
+    or the layers of each virtual stage.
+
+    Raises:
+        PreflightError: the plan refuses the shape (its message names the numbers).
+
+    Example:
+        >>> from lightning_pp.planner.profile import LayerCost, ModelProfile
+        >>> prof = ModelProfile({4: [LayerCost(1e-3, 1e-3, 1e-3)] * 4})
+        >>> cand, plan = make_candidate(prof, 2, 16, pp=2, vpp=1, microbatches=2,
+        ...                             schedule="1f1b")
+        >>> cand.counts, cand.dp, cand.batch_size
+        ((2, 2), 1, 16)
+    """
+    dp = world // pp
+    check_world(world, pp, dp)
+    if global_batch % dp:
+        raise PreflightError(f"global batch {global_batch} does not split over dp={dp}")
+    per = global_batch // dp
+    sched = check_schedule_args(schedule, pp, microbatches, vpp, warn=False)
+    check_batch(per, microbatches, dp)
+    base = PipelinePlan(
+        pp=pp,
+        vpp=sched.vpp,
+        microbatches=microbatches,
+        schedule=sched,
+        world_size=world,
+        dp=dp,
+        batch_size=per,
+    )
+    if isinstance(split, str):
+        layers = profile.layers(per / microbatches)
+        space = SearchSpace(splits=(split,))
+        found = _splits(layers, base, space)
+        if not found:
+            raise PreflightError(f"split {split!r} gives no {base.num_stages}-stage partition")
+        label, counts = found[0]
+    else:
+        label, counts = "explicit", tuple(int(c) for c in split)
+    plan = _with_counts(base, counts, profile.num_layers)
+    cand = Candidate(dp, pp, sched.vpp, microbatches, sched.name, label, recompute, counts, per)
+    return cand, plan
 
 
 def _with_counts(plan: PipelinePlan, counts: Sequence[int], num_layers: int) -> PipelinePlan:

@@ -1,0 +1,444 @@
+"""How accurate is the planner? Predicted vs measured step time and activation peak.
+
+Runs a grid of pipeline shapes on the virtual device (``lightning_pp.models.virtual_device``
+``SleepLayer``: known forward, input-gradient and weight-gradient costs; sleeping ranks do not
+compete for the CPU, so 4 ranks on 2 cores behave like 4 devices) and compares each run with the
+planner's prediction (:func:`lightning_pp.planner.search.predict`, the same code the search
+ranks with).
+
+The model: 8 layers, the first and the last heavy (per sample: 1.5 ms and 1.0 ms forward, the
+six in between 0.25 ms; input gradient and weight gradient each cost the forward again; the
+first layer has no input gradient, its input is data). Costs scale with the microbatch size, as
+real layers' do. World 4 (``dp = 4 / pp``), global batch 16: each shape keeps it and splits it
+over its own ``dp``, as the search does.
+
+The grid: pp in {1, 2, 4}; vpp 1 (gpipe, 1f1b, zb-h1) and 2 (interleaved, zbv); m in
+{2, 4, 8, 16} where the plan accepts it; the uniform and the cost-balanced split wherever they
+differ. Every (pp, schedule) group runs in its own spawned world
+(:func:`lightning_pp.planner.verify.measure_many`), each shape with a fresh engine.
+
+Predictions: the layer costs are the virtual device's nominal ones; the saved bytes are
+measured by the planner's profiler on the same layers; the per-action overhead and the hop
+latency are calibrated first from one run (pp=2, 1f1b, m=4) with
+:func:`lightning_pp.planner.verify.fit_links`. The table also gives the error with the planner's
+uncalibrated defaults (1 ms, 200 us).
+
+Reports: median and worst |error| of the step time and of every rank's activation peak;
+whether the shape the planner ranks first measures within 1.05x of the best measured shape of
+the grid; whether the cost-balanced split measures faster than the uniform one.
+
+    python benchmarks/bench_planner.py --out benchmarks/results/planner.md
+    python benchmarks/bench_planner.py --quick --out /tmp/planner_quick.md   # smoke: seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch
+from torch.nn import functional as F
+
+from benchmarks.harness import machine_info
+from lightning_pp.plan import PreflightError
+from lightning_pp.planner.profile import DEFAULT_LATENCY_S, DEFAULT_OVERHEAD_S, ModelProfile
+from lightning_pp.planner.profiler import profile_layers
+from lightning_pp.planner.search import make_candidate, predict
+from lightning_pp.planner.verify import (
+    BuiltModel,
+    RunSpec,
+    WorldFailure,
+    fit_links,
+    measure_many,
+    pct_error,
+    resize_batch,
+)
+from lightning_pp.schedules import Op
+
+WIDTH = 64
+GLOBAL_BATCH = 16
+#: forward seconds per sample of each layer: heavy first and last layer
+PER_SAMPLE = (1.5e-3, *([0.25e-3] * 6), 1.0e-3)
+SCHEDULES = {1: ("gpipe", "1f1b", "zb-h1"), 2: ("interleaved", "zbv")}
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    per_sample: tuple[float, ...] = PER_SAMPLE
+    pps: tuple[int, ...] = (1, 2, 4)
+    ms: tuple[int, ...] = (2, 4, 8, 16)
+    schedules: tuple[str, ...] = ("gpipe", "1f1b", "zb-h1", "interleaved", "zbv")
+    world: int = 4
+    warmup: int = 2
+    steps: int = 3
+    calibration: tuple[int, str, int] = (2, "1f1b", 4)  # pp, schedule, m
+
+
+QUICK = Setup(
+    per_sample=(0.5e-3, *([0.1e-3] * 6), 0.4e-3),
+    pps=(2,),
+    ms=(4,),
+    schedules=("1f1b", "zb-h1"),
+    world=2,
+    warmup=1,
+    steps=2,
+)
+
+
+def layer_times(per_sample: tuple[float, ...], n: int) -> list[tuple[float, float, float]]:
+    """(t_f, t_i, t_w) of each layer at microbatch size ``n``; layer 0's input is data, so it
+    has no input gradient (the SleepLayer computes none and holds nothing for it)."""
+    out = []
+    for i, t in enumerate(per_sample):
+        out.append((t * n, 0.0 if i == 0 else t * n, t * n))
+    return out
+
+
+def sleep_model(times: tuple[tuple[float, float, float], ...]) -> BuiltModel:
+    """The virtual-device model with these (t_f, t_i, t_w) per layer (same seed every rank)."""
+    from lightning_pp.models.virtual_device import SleepLayer
+
+    torch.manual_seed(0)
+    layers = [SleepLayer(WIDTH, t_f=f, t_i=i, t_w=w) for f, i, w in times]
+    return BuiltModel(layers, lambda mb: mb[0], lambda out, mb: F.mse_loss(out, mb[1]))
+
+
+def build_profile(setup: Setup, sizes: list[int]) -> ModelProfile:
+    """Nominal times; saved, boundary and parameter bytes measured by the planner's profiler
+    on the same layers (zero-cost copies: bytes do not depend on the sleep)."""
+    from lightning_pp.models.virtual_device import SleepLayer
+
+    torch.manual_seed(0)
+    layers = [SleepLayer(WIDTH, t_f=0.0, t_i=0.0, t_w=0.0) for _ in setup.per_sample]
+    measured = profile_layers(layers, lambda n: torch.randn(n, WIDTH), sizes, repeats=1, log=None)
+    by_size = {}
+    for n in sizes:
+        by_size[n] = [
+            dataclasses.replace(c, t_f=f, t_i=i, t_w=w)
+            for c, (f, i, w) in zip(measured[n], layer_times(setup.per_sample, n))
+        ]
+    return ModelProfile(by_size, device="cpu", layer_names=("SleepLayer",) * len(layers))
+
+
+def batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(GLOBAL_BATCH, WIDTH, generator=g), torch.randn(
+        GLOBAL_BATCH, WIDTH, generator=g
+    )
+
+
+def grid(setup: Setup, profile: ModelProfile) -> list[tuple[Any, Any]]:
+    """(candidate, plan) of every shape the plan accepts, both splits where they differ."""
+    out = []
+    for pp in setup.pps:
+        for vpp in (1,) if pp == 1 else (1, 2):
+            names = ("1f1b",) if pp == 1 else SCHEDULES[vpp]
+            for name in (s for s in names if s in setup.schedules):
+                for m in setup.ms:
+                    seen = set()
+                    for split in ("cost", "uniform"):
+                        try:
+                            cand, plan = make_candidate(
+                                profile, setup.world, GLOBAL_BATCH, pp=pp, vpp=vpp,
+                                microbatches=m, schedule=name, split=split,
+                            )  # fmt: skip
+                        except PreflightError:
+                            continue
+                        if cand.counts in seen:
+                            continue
+                        seen.add(cand.counts)
+                        out.append((cand, plan))
+    return out
+
+
+def spec_of(setup: Setup, cand: Any, records: bool = False) -> RunSpec:
+    times = tuple(layer_times(setup.per_sample, int(cand.microbatch_size)))
+    return RunSpec(
+        functools.partial(sleep_model, times),
+        resize_batch(batch(), cand.batch_size),
+        pp=cand.pp,
+        vpp=cand.vpp,
+        microbatches=cand.microbatches,
+        schedule=cand.schedule,
+        counts=cand.counts,
+        warmup=setup.warmup,
+        steps=setup.steps,
+        keep_records=records,
+    )
+
+
+def calibrate(setup: Setup, profile: ModelProfile, timeout: float) -> dict[str, Any]:
+    from lightning_pp.planner.search import step_costs
+
+    pp, name, m = setup.calibration
+    cand, plan = make_candidate(
+        profile, setup.world, GLOBAL_BATCH, pp=pp, vpp=1, microbatches=m, schedule=name
+    )
+    t0 = time.perf_counter()
+    got = measure_many([spec_of(setup, cand, records=True)], setup.world, timeout=timeout)[0]
+    bare = step_costs(
+        plan, profile.layers(cand.microbatch_size), None, profile.with_links(overhead_s=0.0)
+    )
+
+    def nominal(rank: int, chunk: int, op: Op) -> float:
+        f, b, i, w = bare.overrides[(rank, chunk)]
+        return {Op.F: f, Op.B: b, Op.I: i, Op.W: w}[op]
+
+    cal = fit_links(got.records, nominal)
+    return {
+        "overhead_s": cal.overhead_s,
+        "latency_s": cal.latency_s,
+        "actions": cal.actions,
+        "hops": cal.hops,
+        "shape": f"dp={cand.dp} x pp={pp} {name} m={m}",
+        "seconds": time.perf_counter() - t0,
+    }
+
+
+def run(
+    setup: Setup, *, timeout: float = 600.0, log=print, partial: str | None = None
+) -> tuple[list[dict], dict]:
+    sizes = sorted(
+        {GLOBAL_BATCH * pp // setup.world // m for pp in setup.pps for m in setup.ms} - {0}
+    )
+    profile = build_profile(setup, sizes)
+    cal = calibrate(setup, profile, timeout)
+    log(
+        f"calibrated: overhead {cal['overhead_s'] * 1e3:.3f} ms/action, hop latency "
+        f"{cal['latency_s'] * 1e6:.0f} us ({cal['actions']} actions, {cal['hops']} hops)"
+    )
+    calibrated = profile.with_links(latency_s=cal["latency_s"], overhead_s=cal["overhead_s"])
+    defaults = profile.with_links(latency_s=DEFAULT_LATENCY_S, overhead_s=DEFAULT_OVERHEAD_S)
+    shapes = grid(setup, profile)
+    groups: dict[tuple[int, str], list[tuple[Any, Any]]] = {}
+    for cand, plan in shapes:
+        # one world per (pp, vpp): a world per schedule cost minutes of start-up on the loaded
+        # 2-core machine, and zb-h1 and zbv (the pair seen to hang in one world, see
+        # bench_recompute) never share one
+        groups.setdefault((cand.pp, cand.vpp), []).append((cand, plan))
+    recs = []
+    for (pp, vpp), members in groups.items():
+        t0 = time.perf_counter()
+        try:
+            specs = [spec_of(setup, c) for c, _ in members]
+            got = measure_many(specs, setup.world, timeout=timeout)
+            failure = None
+        except WorldFailure as err:
+            got, failure = [None] * len(members), str(err)
+        log(f"pp={pp} vpp={vpp}: {len(members)} shapes in {time.perf_counter() - t0:.1f} s")
+        for (cand, plan), meas in zip(members, got):
+            pred = predict(calibrated, cand, plan)
+            pred_default = predict(defaults, cand, plan)
+            rec = {
+                "dp": cand.dp,
+                "pp": cand.pp,
+                "vpp": cand.vpp,
+                "m": cand.microbatches,
+                "schedule": cand.schedule,
+                "split": cand.split,
+                "counts": list(cand.counts),
+                "predicted_s": pred.step_s,
+                "predicted_default_s": pred_default.step_s,
+                "predicted_act": [mem.activations for mem in pred.memory],
+            }
+            if meas is None:
+                rec["error"] = failure
+            else:
+                rec.update(
+                    measured_s=meas.step_s,
+                    steps_s=meas.steps_s,
+                    measured_act=meas.peak_saved,
+                    step_err=pct_error(pred.step_s, meas.step_s),
+                    step_err_default=pct_error(pred_default.step_s, meas.step_s),
+                    act_err=[
+                        pct_error(p, m) for p, m in zip(rec["predicted_act"], meas.peak_saved)
+                    ],
+                )
+            recs.append(rec)
+            if partial is not None:  # a later world's timeout must not lose this one's rows
+                with open(partial, "a") as f:
+                    f.write(json.dumps(rec) + "\n")
+    return recs, cal
+
+
+def summarize(recs: list[dict]) -> dict[str, Any]:
+    ok = [r for r in recs if "error" not in r]
+    step = [abs(r["step_err"]) for r in ok]
+    step_d = [abs(r["step_err_default"]) for r in ok]
+    act = [abs(e) for r in ok for e in r["act_err"]]
+    out: dict[str, Any] = {
+        "shapes": len(recs),
+        "measured": len(ok),
+        "step_median": statistics.median(step) if step else None,
+        "step_worst": max(step) if step else None,
+        "step_default_median": statistics.median(step_d) if step_d else None,
+        "step_default_worst": max(step_d) if step_d else None,
+        "act_median": statistics.median(act) if act else None,
+        "act_worst": max(act) if act else None,
+    }
+    if ok:
+        chosen = min(ok, key=lambda r: r["predicted_s"])
+        best = min(ok, key=lambda r: r["measured_s"])
+        out["choice"] = {
+            "chosen": _label(chosen),
+            "chosen_measured_s": chosen["measured_s"],
+            "best": _label(best),
+            "best_measured_s": best["measured_s"],
+            "ratio": chosen["measured_s"] / best["measured_s"],
+        }
+    pairs = []
+    by = {(r["pp"], r["vpp"], r["m"], r["schedule"], r["split"]): r for r in ok}
+    for (pp, vpp, m, name, split), r in by.items():
+        u = by.get((pp, vpp, m, name, "uniform"))
+        if split == "cost" and u is not None:
+            pairs.append(
+                {
+                    "shape": f"pp={pp} vpp={vpp} m={m} {name}",
+                    "cost": r["counts"],
+                    "uniform": u["counts"],
+                    "cost_s": r["measured_s"],
+                    "uniform_s": u["measured_s"],
+                    "cost_predicted_s": r["predicted_s"],
+                    "uniform_predicted_s": u["predicted_s"],
+                }
+            )
+    out["splits"] = pairs
+    return out
+
+
+def _label(r: dict) -> str:
+    return (
+        f"dp={r['dp']} pp={r['pp']} vpp={r['vpp']} m={r['m']} {r['schedule']} {r['split']} "
+        f"{'/'.join(map(str, r['counts']))}"
+    )
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.1f} %"
+
+
+def to_markdown(recs: list[dict], summary: dict, meta: dict) -> str:
+    cal = meta["calibration"]
+    lines = [
+        "# Planner accuracy: predicted vs measured (virtual device)",
+        "",
+        f"Command: `{meta['command']}`",
+        "",
+        f"- machine: {meta['machine']['nproc']} CPUs, torch {meta['machine']['torch']}, commit "
+        f"{meta['machine']['commit']}; {meta['seconds']:.0f} s; load average at start "
+        f"{meta['machine']['loadavg']}, at end {meta['loadavg_end']}",
+        f"- model: {len(meta['per_sample'])} SleepLayers, forward ms per sample "
+        f"{[round(t * 1e3, 3) for t in meta['per_sample']]} (input and weight gradient: the "
+        f"same again each; layer 0 has no input gradient), global batch {GLOBAL_BATCH}, "
+        f"world {meta['world']} (dp = world / pp); {meta['warmup']} warm-up + "
+        f"{meta['steps']} timed steps per shape (median)",
+        f"- calibrated from one run ({cal['shape']}): engine overhead "
+        f"{cal['overhead_s'] * 1e3:.3f} ms per action (median of {cal['actions']} actions), "
+        f"hop latency {cal['latency_s'] * 1e6:.0f} us ({cal['hops']} hops)",
+        "",
+        "## Summary",
+        "",
+        f"- shapes: {summary['shapes']} ({summary['measured']} measured)",
+        f"- step time |error| (calibrated): median **{_pct(summary['step_median'])}**, worst "
+        f"**{_pct(summary['step_worst'])}** (targets <= 5 %, <= 10 %)",
+        f"- step time |error| with the uncalibrated defaults (1 ms/action, 200 us): median "
+        f"{_pct(summary['step_default_median'])}, worst {_pct(summary['step_default_worst'])}",
+        f"- activation peak |error| over every rank of every shape: median "
+        f"{_pct(summary['act_median'])}, worst **{_pct(summary['act_worst'])}** (target <= 10 %)",
+    ]
+    ch = summary.get("choice")
+    if ch:
+        lines.append(
+            f"- choice: the planner's first, {ch['chosen']}, measured "
+            f"{ch['chosen_measured_s'] * 1e3:.1f} ms; the best measured, {ch['best']}, "
+            f"{ch['best_measured_s'] * 1e3:.1f} ms: ratio **{ch['ratio']:.3f}** (target <= 1.05)"
+        )
+    for p in summary["splits"]:
+        lines.append(
+            f"- split, {p['shape']}: cost {'/'.join(map(str, p['cost']))} measured "
+            f"{p['cost_s'] * 1e3:.1f} ms (predicted {p['cost_predicted_s'] * 1e3:.1f}), uniform "
+            f"{'/'.join(map(str, p['uniform']))} {p['uniform_s'] * 1e3:.1f} ms (predicted "
+            f"{p['uniform_predicted_s'] * 1e3:.1f}): cost "
+            f"{'faster' if p['cost_s'] < p['uniform_s'] else 'NOT faster'}"
+        )
+    lines += [
+        "",
+        "## Every shape",
+        "",
+        "| dp | pp | vpp | m | schedule | split | predicted ms | measured ms | error | error, "
+        "defaults | predicted act KiB per rank | measured act KiB per rank | act error per rank |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in recs:
+        head = (
+            f"| {r['dp']} | {r['pp']} | {r['vpp']} | {r['m']} | {r['schedule']} | {r['split']} "
+            f"{'/'.join(map(str, r['counts']))} | {r['predicted_s'] * 1e3:.1f} |"
+        )
+        if "error" in r:
+            lines.append(f"{head} FAILED: {r['error'].strip().splitlines()[-1][:100]} |")
+            continue
+        lines.append(
+            f"{head} {r['measured_s'] * 1e3:.1f} | {r['step_err']:+.1f} % | "
+            f"{r['step_err_default']:+.1f} % | "
+            f"{' / '.join(f'{b / 1024:.1f}' for b in r['predicted_act'])} | "
+            f"{' / '.join(f'{b / 1024:.1f}' for b in r['measured_act'])} | "
+            f"{' / '.join(f'{e:+.1f}' for e in r['act_err'])} % |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--out", required=True, help="markdown report (a .jsonl beside it)")
+    ap.add_argument("--quick", action="store_true", help="a smoke run: pp=2, two shapes")
+    ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds per spawned world")
+    ap.add_argument("--ms", type=int, nargs="+", default=None, help="microbatch counts")
+    args = ap.parse_args(argv)
+    setup = QUICK if args.quick else Setup()
+    if args.steps:
+        setup = dataclasses.replace(setup, steps=args.steps)
+    if args.ms:
+        setup = dataclasses.replace(setup, ms=tuple(args.ms))
+    info = machine_info()
+    t0 = time.perf_counter()
+    partial = os.path.splitext(args.out)[0] + ".partial.jsonl"
+    if os.path.exists(partial):
+        os.remove(partial)
+    recs, cal = run(setup, timeout=args.timeout, partial=partial)
+    os.remove(partial)
+    summary = summarize(recs)
+    meta = {
+        "command": "python benchmarks/bench_planner.py " + " ".join(argv or sys.argv[1:]),
+        "machine": info,
+        "loadavg_end": machine_info()["loadavg"],
+        "seconds": time.perf_counter() - t0,
+        "calibration": cal,
+        "per_sample": list(setup.per_sample),
+        "world": setup.world,
+        "warmup": setup.warmup,
+        "steps": setup.steps,
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        f.write(to_markdown(recs, summary, meta))
+    with open(os.path.splitext(args.out)[0] + ".jsonl", "w") as f:
+        for r in recs:
+            f.write(json.dumps(r) + "\n")
+        f.write(json.dumps({"summary": summary, "meta": meta}) + "\n")
+    print(open(args.out).read())
+    return summary
+
+
+if __name__ == "__main__":
+    main()

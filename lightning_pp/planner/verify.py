@@ -1,0 +1,520 @@
+"""Run candidate shapes for a few steps and compare the planner's predictions with measurement.
+
+``lightning-pp plan CONFIG --search --verify K`` runs the top ``K`` candidates and the config's
+own shape, each in its own spawned world of ``dp x pp`` processes on the engine directly (as
+``benchmarks/`` do; no Lightning loop, so what is measured is the pipeline step the planner
+predicts), and prints predicted against measured step time and heaviest-rank activation peak.
+
+What one run measures (:func:`measure`): ``warmup`` steps, then ``steps`` timed ones. A step's
+time is ``max(end) - min(start)`` over every rank (ranks meet at a barrier first), from the
+start of ``train_step`` to the end of the data-parallel gradient all-reduce (the optimizer step
+is not run, and not predicted); the median is reported. The activation peak of a rank is the
+engine's saved-bytes meter (``StepRecord.peak_saved_bytes``, ``measure_memory=True``), the
+largest over the timed steps and over the rank's data-parallel replicas.
+
+Every world runs under a deadline; on a failure or a timeout every process of the world (each
+leads its own process group) is killed, and the failure is reported for that candidate only.
+
+Calibration (:func:`fit_links`): the engine's fixed cost per action is the median, over every
+action of a run, of its measured compute (duration minus receive wait) minus what the profile
+says its layers cost; the hop latency is
+:func:`~lightning_pp.callbacks.analysis.p2p_latency` of the same records.
+
+Example::
+
+    spec = RunSpec(builder, batch, pp=2, vpp=1, microbatches=4, schedule="1f1b", counts=(3, 3))
+    got = measure(spec, world=2, timeout=120)
+    got.step_s, got.peak_saved          # median seconds; per pipeline rank bytes
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import multiprocessing as mp
+import os
+import queue as queue_mod
+import signal
+import socket
+import statistics
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..records import StepRecord
+from ..schedules import Op
+
+__all__ = [
+    "BuiltModel",
+    "Calibration",
+    "Measured",
+    "RunSpec",
+    "VerifyRow",
+    "WorldFailure",
+    "build_config_model",
+    "fit_links",
+    "format_verify_table",
+    "measure",
+    "measure_many",
+    "pct_error",
+    "resize_batch",
+    "run_world",
+]
+
+
+class WorldFailure(RuntimeError):
+    """A spawned world failed: a rank raised, died, or the deadline passed (every process of
+    it has been killed)."""
+
+
+# ---- spawning a world -----------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(
+    fn: Callable[[int, int, Any], Any],
+    rank: int,
+    world: int,
+    port: int,
+    payload: Any,
+    results: Any,
+    threads: int,
+) -> None:
+    try:  # its own process group, so the parent can kill it and anything it started at once
+        os.setsid()
+    except OSError:
+        pass
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world,
+            timeout=_dt.timedelta(seconds=120),
+        )
+        results.put((rank, "ok", fn(rank, world, payload)))
+    except BaseException:  # every failure goes to the parent, naming the rank
+        results.put((rank, "error", f"rank {rank}:\n{traceback.format_exc()}"))
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+
+
+def _kill_tree(proc: Any) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # the child leads its own group (setsid)
+    except (ProcessLookupError, PermissionError, OSError):
+        pass
+    if proc.is_alive():
+        proc.kill()
+    proc.join(timeout=5)
+
+
+def run_world(
+    fn: Callable[[int, int, Any], Any],
+    world: int,
+    payload: Any,
+    *,
+    timeout: float,
+    threads: int = 1,
+) -> list[Any]:
+    """Run ``fn(rank, world, payload)`` on ``world`` spawned processes joined in a gloo group;
+    return the results by rank. ``fn`` must be importable (module level).
+
+    Raises:
+        WorldFailure: a rank raised (its traceback), died (its exit code), or ``timeout``
+            seconds passed (which ranks had finished). Every process is killed first.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [
+        ctx.Process(
+            target=_child, args=(fn, r, world, port, payload, results, threads), daemon=True
+        )
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    got: dict[int, Any] = {}
+    error: str | None = None
+    deadline = time.monotonic() + timeout
+    try:
+        while len(got) < world:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                error = f"timed out after {timeout:.0f} s; ranks finished: {sorted(got)}"
+                break
+            try:
+                rank, status, value = results.get(timeout=min(remaining, 1.0))
+            except queue_mod.Empty:
+                dead = [
+                    r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in got
+                ]
+                if dead:
+                    codes = [procs[r].exitcode for r in dead]
+                    error = f"rank(s) {dead} died without a result (exit codes {codes})"
+                    break
+                continue
+            if status == "error":
+                error = value
+                break
+            got[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=10 if error is None else 0.5)
+        for p in procs:
+            if p.is_alive():
+                _kill_tree(p)
+        results.close()
+    if error is not None:
+        raise WorldFailure(error)
+    return [got[r] for r in range(world)]
+
+
+# ---- one candidate's run --------------------------------------------------------------------
+
+
+@dataclass
+class BuiltModel:
+    """What a run needs of a model: its pipeline layers in order, the first layer's input
+    from a microbatch, and the loss of a microbatch from the last layer's output."""
+
+    layers: list[nn.Module]
+    input_fn: Callable[[Any], Any]
+    loss_fn: Callable[[Any, Any], torch.Tensor]
+
+
+def build_config_model(model_spec: dict[str, Any], seed: int | None = None) -> BuiltModel:
+    """Build a config's ``model:`` section (a :class:`~lightning_pp.model.PipelineMixin`) and
+    return its layers and hooks (every layer is built on every rank; each runs its own)."""
+    from ..config import instantiate
+
+    if isinstance(seed, int):
+        torch.manual_seed(seed)
+    model = instantiate(model_spec)
+    configure = getattr(model, "configure_model", None)
+    if callable(configure):
+        configure()
+    container = model.pipeline_layers()
+    model.train()
+    layers = [container[i] for i in range(container.num_layers)]
+    return BuiltModel(layers, model.pipeline_input, model.pipeline_loss)
+
+
+def resize_batch(batch: Any, n: int) -> Any:
+    """``batch`` with ``n`` samples: every tensor sliced, or repeated along dim 0."""
+
+    def one(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor) or t.dim() == 0:
+            return t
+        reps = -(-n // t.shape[0])
+        return t.repeat(reps, *([1] * (t.dim() - 1)))[:n].clone() if reps > 1 else t[:n].clone()
+
+    if isinstance(batch, dict):
+        return {k: one(v) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(one(t) for t in batch)
+    return one(batch)
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One shape to run: ``builder()`` makes the model in each process (a picklable callable:
+    a module-level function or a ``functools.partial`` of one); ``batch``: one data-parallel
+    replica's batch; the shape; ``warmup`` + ``steps`` train steps."""
+
+    builder: Callable[[], BuiltModel]
+    batch: Any
+    pp: int
+    vpp: int
+    microbatches: int
+    schedule: str
+    counts: tuple[int, ...]
+    recompute: str | None = None
+    warmup: int = 2
+    steps: int = 3
+    keep_records: bool = False
+
+
+@dataclass
+class Measured:
+    """One run: median step seconds (every step's in ``steps_s``), the activation peak of each
+    pipeline rank (bytes, worst data-parallel replica), and, when kept, the step records of
+    data-parallel replica 0 (``records[i]``: pipeline rank i's, one per timed step)."""
+
+    step_s: float
+    steps_s: list[float]
+    peak_saved: list[int]
+    records: list[list[StepRecord]] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def _run_worker(rank: int, world: int, specs: Sequence[RunSpec]) -> list[dict[str, Any]]:
+    return [_run_one(rank, world, spec) for spec in specs]
+
+
+def _run_one(rank: int, world: int, spec: RunSpec) -> dict[str, Any]:
+    from ..engine import PipelineEngine
+    from ..grad_sync import DeferredGradSync
+    from ..partition import PipelineChunk
+    from ..plan import check_layers
+    from ..schedules import build_schedule
+    from ..topology import PipelineTopology, build_process_groups
+
+    model = spec.builder()
+    schedule = build_schedule(
+        spec.schedule, pp=spec.pp, microbatches=spec.microbatches, vpp=spec.vpp
+    )
+    ranges = check_layers(len(model.layers), spec.pp, schedule.vpp, list(spec.counts))
+    topo = PipelineTopology.from_world(world, rank, pp=spec.pp)
+    groups = build_process_groups(topo)
+    chunks = [
+        PipelineChunk([model.layers[i] for i in ranges[s]], ranges[s])
+        for s in schedule.stages_of(topo.pp_rank)
+    ]
+    sync = None
+    if topo.dp > 1:
+        sync = DeferredGradSync([list(c.parameters()) for c in chunks], groups.dp_group, topo.dp)
+    engine = PipelineEngine(
+        chunks,
+        schedule,
+        topo,
+        groups,
+        loss_fn=model.loss_fn,
+        input_fn=model.input_fn,
+        on_chunk_grads_ready=None if sync is None else sync.on_chunk_grads_ready,
+        measure_memory=True,
+        recompute=spec.recompute,
+    )
+    params = [p for c in chunks for p in c.parameters()]
+    times: list[float] = []
+    peak = 0
+    records: list[StepRecord] = []
+    for i in range(spec.warmup + spec.steps):
+        dist.barrier()
+        start = time.perf_counter()
+        result = engine.train_step(spec.batch)
+        if sync is not None:
+            sync.wait()
+        end = time.perf_counter()
+        for p in params:
+            p.grad = None
+        # one clock on one host (perf_counter is CLOCK_MONOTONIC): the step is first start to
+        # last end over every rank
+        stamps = torch.tensor([-start, end], dtype=torch.float64)
+        dist.all_reduce(stamps, op=dist.ReduceOp.MAX)
+        if i >= spec.warmup:
+            times.append(float(stamps[1] + stamps[0]))
+            peak = max(peak, int(result.record.peak_saved_bytes))
+            if spec.keep_records and topo.dp_rank == 0:
+                records.append(result.record)
+    return {"pp_rank": topo.pp_rank, "times": times, "peak": peak, "records": records}
+
+
+def _combine(spec: RunSpec, out: Sequence[dict[str, Any]], seconds: float) -> Measured:
+    peaks = [0] * spec.pp
+    records: list[list[StepRecord]] = [[] for _ in range(spec.pp)]
+    for r in out:
+        peaks[r["pp_rank"]] = max(peaks[r["pp_rank"]], r["peak"])
+        if r["records"]:
+            records[r["pp_rank"]] = r["records"]
+    times = out[0]["times"]
+    return Measured(
+        statistics.median(times), times, peaks, records if spec.keep_records else [], seconds
+    )
+
+
+def measure(spec: RunSpec, world: int, *, timeout: float, threads: int = 1) -> Measured:
+    """Run ``spec`` on ``world`` processes (``dp = world / pp``); see the module notes.
+
+    Raises:
+        WorldFailure: the run failed or timed out (its processes are killed).
+    """
+    return measure_many([spec], world, timeout=timeout, threads=threads)[0]
+
+
+def measure_many(
+    specs: Sequence[RunSpec], world: int, *, timeout: float, threads: int = 1
+) -> list[Measured]:
+    """Run several shapes one after the other in ONE world of ``world`` processes (each with
+    its own engine and process groups), saving the start-up of a world per shape. ``timeout``
+    covers them all; ``Measured.seconds`` is the world's time divided evenly.
+
+    Raises:
+        WorldFailure: a run failed or the deadline passed (every process is killed).
+    """
+    started = time.perf_counter()
+    out = run_world(_run_worker, world, list(specs), timeout=timeout, threads=threads)
+    each = (time.perf_counter() - started) / max(1, len(specs))
+    return [_combine(spec, [r[i] for r in out], each) for i, spec in enumerate(specs)]
+
+
+# ---- calibration ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Fitted from one run's records: ``overhead_s`` per action (median), ``latency_s`` per
+    hop (mean; 0 with one stage), and how many actions / hops they rest on."""
+
+    overhead_s: float
+    latency_s: float
+    actions: int
+    hops: int
+
+
+def fit_links(
+    records: Sequence[Sequence[StepRecord]],
+    nominal: Callable[[int, int, Op], float],
+) -> Calibration:
+    """Fit the engine's per-action overhead and the hop latency from step records.
+
+    ``records[r]``: pipeline rank r's records (one per step, all ranks the same steps);
+    ``nominal(rank, chunk, op)``: what the profile says the action's layers cost (no
+    overhead). Overhead = median over every action of ``compute - nominal`` (never
+    negative); latency = :func:`~lightning_pp.callbacks.analysis.p2p_latency` per step,
+    averaged.
+
+    Example:
+        >>> from lightning_pp.records import StepEvent
+        >>> from lightning_pp.schedules import build_schedule
+        >>> s = build_schedule("1f1b", pp=1, microbatches=2)
+        >>> ev = [StepEvent(a, 0.0, 1.5 if a.op is Op.F else 2.5) for a in s.ranks[0]]
+        >>> fit_links([[StepRecord(0, 0, s, 0.0, ev)]], lambda r, c, op: 1.0 if op is Op.F
+        ...           else 2.0).overhead_s
+        0.5
+    """
+    from ..callbacks.analysis import _receives, p2p_latency
+
+    extra = [
+        e.compute - nominal(r, e.action.chunk, e.action.op)
+        for r, recs in enumerate(records)
+        for rec in recs
+        for e in rec.events
+    ]
+    steps = min((len(recs) for recs in records), default=0)
+    latencies, hops = [], 0
+    if len(records) > 1:
+        for i in range(steps):
+            one = [recs[i] for recs in records]
+            n = sum(1 for st, _, sent in _receives(one, [0.0] * len(one)) if st < sent)
+            if n:
+                latencies.append(p2p_latency(one))
+                hops += n
+    return Calibration(
+        max(statistics.median(extra), 0.0) if extra else 0.0,
+        statistics.fmean(latencies) if latencies else 0.0,
+        len(extra),
+        hops,
+    )
+
+
+# ---- the table ------------------------------------------------------------------------------
+
+
+def pct_error(predicted: float, measured: float) -> float:
+    """Signed error of a prediction in percent of the measurement (``+``: predicted more).
+
+    Example:
+        >>> pct_error(110.0, 100.0), pct_error(90.0, 100.0)
+        (10.0, -10.0)
+    """
+    if measured == 0:
+        return 0.0 if predicted == 0 else float("inf")
+    return 100.0 * (predicted - measured) / measured
+
+
+@dataclass
+class VerifyRow:
+    """One verified shape: its label (``#3`` or ``config``), description, predicted and
+    measured step seconds, predicted and measured activation bytes per pipeline rank (the
+    planner's activation term, the engine's meter), or the failure; ``contention_s``: the part
+    of ``predicted_s`` that is the oversubscription term."""
+
+    label: str
+    shape: str
+    predicted_s: float
+    predicted_act: list[int]
+    measured: Measured | None = None
+    error: str | None = None
+    #: the oversubscription term inside ``predicted_s`` (for the comparison without it)
+    contention_s: float = 0.0
+
+    @property
+    def step_error(self) -> float | None:
+        if self.measured is None:
+            return None
+        return pct_error(self.predicted_s, self.measured.step_s)
+
+    @property
+    def act_error(self) -> float | None:
+        """Error of the heaviest rank's activation peak (predicted max vs measured max)."""
+        if self.measured is None:
+            return None
+        return pct_error(max(self.predicted_act), max(self.measured.peak_saved))
+
+
+def _kib(n: float) -> str:
+    return f"{n / 1024:,.0f}"
+
+
+def format_verify_table(rows: Sequence[VerifyRow]) -> str:
+    """Predicted vs measured step time and heaviest-rank activation peak, with errors.
+
+    Example:
+        >>> row = VerifyRow("#1", "1x2x1 m=4 1f1b", 0.110, [3072, 2048],
+        ...                 Measured(0.100, [0.100], [2048, 2048]))
+        >>> print(format_verify_table([row]).splitlines()[2])
+        #1  1x2x1 m=4 1f1b    110.0        100.0  +10.0%             3             2  +50.0%
+    """
+    head = (
+        "#", "shape", "pred ms", "measured ms", "err", "pred act KiB", "meas act KiB", "err"
+    )  # fmt: skip
+    body: list[tuple[str, ...]] = []
+    for r in rows:
+        if r.measured is None:
+            why = (r.error or "failed").strip().splitlines()
+            body.append((r.label, r.shape, f"{r.predicted_s * 1e3:.1f}", "FAILED: " + why[-1]))
+            continue
+        body.append(
+            (
+                r.label,
+                r.shape,
+                f"{r.predicted_s * 1e3:.1f}",
+                f"{r.measured.step_s * 1e3:.1f}",
+                f"{r.step_error:+.1f}%",
+                _kib(max(r.predicted_act)),
+                _kib(max(r.measured.peak_saved)),
+                f"{r.act_error:+.1f}%",
+            )
+        )
+    widths = [max(len(x[i]) for x in [head, *body] if i < len(x)) for i in range(len(head))]
+
+    def line(cells: tuple[str, ...]) -> str:
+        out = []
+        for i, c in enumerate(cells):
+            if i == len(cells) - 1 and len(cells) < len(head):
+                out.append(c)  # a failure message: free width
+            elif i < 2:
+                out.append(c.ljust(widths[i]))
+            else:
+                out.append(c.rjust(widths[i]))
+        return "  ".join(out).rstrip()
+
+    return "\n".join([line(head), "  ".join("-" * w for w in widths), *(line(b) for b in body)])

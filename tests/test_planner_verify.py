@@ -1,0 +1,195 @@
+"""The planner's check against measurement (issue 16 phase 2): ``--verify``'s error arithmetic
+and table, the oversubscription term, the calibration fit on a synthetic record, a failing run
+reported (not fatal), one real ``--verify 1`` run of a tiny model on 2 processes, and the
+accuracy benchmark's smoke mode.
+
+No wall-time assertion: the real runs check structure (a measured time, a metered peak, the
+table), not accuracy (benchmarks/results/planner.md measures that).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from lightning_pp.plan import PreflightError
+from lightning_pp.planner import LayerCost, ModelProfile, predict, search
+from lightning_pp.planner.search import make_candidate, oversubscribed_seconds
+from lightning_pp.planner.verify import (
+    Measured,
+    RunSpec,
+    VerifyRow,
+    WorldFailure,
+    fit_links,
+    format_verify_table,
+    measure,
+    pct_error,
+)
+from lightning_pp.records import StepEvent, StepRecord
+from lightning_pp.schedules import Op, build_schedule
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def _layer(t: float) -> LayerCost:
+    return LayerCost(t, t, t, saved_bytes=8000, param_bytes=4000, params=1000, boundary_bytes=100,
+                     input_bytes=100)  # fmt: skip
+
+
+# ---- error arithmetic and the table -------------------------------------------------------------
+
+
+def test_pct_error_is_signed_and_relative_to_the_measurement():
+    assert pct_error(110.0, 100.0) == pytest.approx(10.0)
+    assert pct_error(90.0, 100.0) == pytest.approx(-10.0)
+    assert pct_error(0.0, 0.0) == 0.0
+    assert math.isinf(pct_error(1.0, 0.0))
+
+
+def test_verify_row_errors_use_the_heaviest_rank():
+    row = VerifyRow("#1", "1x2x1 m=4 1f1b", 0.120, [3000, 1000],
+                    Measured(0.100, [0.1, 0.1, 0.1], [2000, 2500]))  # fmt: skip
+    assert row.step_error == pytest.approx(20.0)
+    assert row.act_error == pytest.approx(20.0)  # max 3000 predicted vs max 2500 measured
+    failed = VerifyRow("config", "2x1x1 m=2 1f1b", 0.1, [1], error="rank 1:\nboom\nValueError: x")
+    assert failed.step_error is None and failed.act_error is None
+    text = format_verify_table([row, failed])
+    lines = text.splitlines()
+    assert lines[0].split()[:3] == ["#", "shape", "pred"]
+    assert "+20.0%" in lines[2] and "120.0" in lines[2] and "100.0" in lines[2]
+    assert lines[3].startswith("config") and "FAILED: ValueError: x" in lines[3]
+
+
+# ---- oversubscription ---------------------------------------------------------------------------
+
+
+def test_oversubscription_term():
+    assert oversubscribed_seconds(1.0, [0.5, 0.5], dp=1, cores=2) == 1.0  # 2 processes, 2 cores
+    assert oversubscribed_seconds(1.0, [0.5, 0.5], dp=1, cores=None) == 1.0
+    # 4 processes x 0.9 s of work on 2 cores: at least 1.8 s
+    assert oversubscribed_seconds(1.0, [0.9, 0.9], dp=2, cores=2) == pytest.approx(1.8)
+    # much idle time: the makespan is the bound
+    assert oversubscribed_seconds(3.0, [0.9, 0.9], dp=2, cores=2) == 3.0
+
+
+def test_predict_with_cores_on_a_pure_data_parallel_shape():
+    prof = ModelProfile({4: [_layer(1e-3)] * 4}, overhead_s=0.0, latency_s=0.0)
+    cand, plan = make_candidate(prof, 4, 16, pp=1, vpp=1, microbatches=1, schedule="1f1b")
+    alone = predict(prof, cand, plan)
+    shared = predict(prof, cand, plan, cores=2)
+    # one replica computes 4 layers x 3 ms = 12 ms; 4 replicas on 2 cores need twice that
+    assert alone.makespan_s == pytest.approx(12e-3)
+    assert shared.step_s - shared.allreduce_s == pytest.approx(24e-3)
+    assert shared.contention_s == pytest.approx(12e-3) and alone.contention_s == 0.0
+    # the search passes cores through: pp=1 loses its edge when 4 processes share 2 cores
+    ranked = search(prof, 4, 16, cores=2).ranked
+    assert all(p.step_s >= p.makespan_s for p in ranked)
+
+
+def test_make_candidate_refuses_what_the_plan_refuses():
+    prof = ModelProfile({4: [_layer(1e-3)] * 4})
+    with pytest.raises(PreflightError):
+        make_candidate(prof, 3, 16, pp=2, vpp=1, microbatches=2, schedule="1f1b")
+    cand, _ = make_candidate(prof, 2, 16, pp=2, vpp=1, microbatches=4, schedule="zb-h1",
+                             split=(1, 3))  # fmt: skip
+    assert cand.counts == (1, 3) and cand.split == "explicit"
+
+
+# ---- calibration --------------------------------------------------------------------------------
+
+
+def test_fit_links_recovers_overhead_and_latency_from_a_synthetic_record():
+    """pp=2, one microbatch: F 1 s, B 2 s nominal; every action 0.5 ms over, every hop 0.2 ms."""
+    s = build_schedule("gpipe", pp=2, microbatches=1)
+    oh, hop = 0.5e-3, 0.2e-3
+    f0 = StepEvent(s.ranks[0][0], 0.0, 1.0 + oh, send_time=1.0 + oh)
+    wait1 = f0.send_time + hop
+    f1 = StepEvent(s.ranks[1][0], 0.0, wait1 + 1.0 + oh, comm_wait=wait1)
+    b1 = StepEvent(s.ranks[1][1], f1.end, f1.end + 2.0 + oh, send_time=f1.end + 2.0 + oh)
+    wait0 = b1.send_time + hop - f0.end
+    b0 = StepEvent(s.ranks[0][1], f0.end, f0.end + wait0 + 2.0 + oh, comm_wait=wait0)
+    assert [e.action.op for e in (f0, b0)] == [Op.F, Op.B]
+    records = [[StepRecord(0, 0, s, 0.0, [f0, b0])], [StepRecord(1, 1, s, 0.0, [f1, b1])]]
+    cal = fit_links(records, lambda r, c, op: 1.0 if op is Op.F else 2.0)
+    assert cal.overhead_s == pytest.approx(oh, abs=1e-9)
+    assert cal.latency_s == pytest.approx(hop, abs=1e-9)
+    assert (cal.actions, cal.hops) == (4, 2)
+
+
+# ---- real runs ----------------------------------------------------------------------------------
+
+
+def _broken_builder():
+    raise ValueError("this model cannot be built (on purpose)")
+
+
+@pytest.mark.timeout(120)
+def test_a_failing_run_raises_world_failure_and_leaves_no_process():
+    spec = RunSpec(_broken_builder, None, pp=2, vpp=1, microbatches=2, schedule="1f1b",
+                   counts=(1, 1))  # fmt: skip
+    with pytest.raises(WorldFailure, match="on purpose"):
+        measure(spec, 2, timeout=90)
+
+
+def _tiny_args(tmp_path: Path) -> list[str]:
+    prof = ModelProfile({n: [_layer(1e-4 * n)] * 4 for n in (1, 2, 4, 8)}, tokens_per_sample=16)
+    path = tmp_path / "prof.json"
+    prof.save(path)
+    return [
+        "plan",
+        str(ROOT / "configs" / "demo_cpu.yaml"),
+        "model.init_args.n_layer=2",
+        "model.init_args.n_embd=32",
+        "model.init_args.n_head=2",
+        "data.init_args.block_size=16",
+        "data.init_args.batch_size=4",
+        "data.init_args.max_chars=20000",
+        "strategy.pp=2",
+        "strategy.microbatches=2",
+        "trainer.devices=2",
+        "--search",
+        "--devices",
+        "2",
+        "--profile",
+        str(path),
+        "--top",
+        "3",
+    ]
+
+
+@pytest.mark.timeout(180)
+def test_cli_verify_one_candidate_on_two_processes(tmp_path, capsys):
+    from lightning_pp.cli import main
+
+    args = [*_tiny_args(tmp_path), "--verify", "1", "--verify-steps", "1", "--verify-warmup", "1"]
+    args += ["--verify-timeout", "120"]
+    assert main(args) == 0, capsys.readouterr().err
+    out, err = capsys.readouterr()
+    assert "verify: " in out and "FAILED" not in out, out + err
+    lines = out.splitlines()
+    head = next(i for i, line in enumerate(lines) if "measured ms" in line and "pred act" in line)
+    rows = [line for line in lines[head + 2 :] if line.startswith(("#1", "config"))]
+    assert rows and rows[0].startswith("#1"), out
+    assert "step time |error|: median" in out
+    assert "verify 1/" in err  # a progress line per run
+
+
+# ---- the accuracy benchmark's smoke mode --------------------------------------------------------
+
+
+@pytest.mark.timeout(240)
+def test_bench_planner_quick(tmp_path):
+    from benchmarks import bench_planner
+
+    out = tmp_path / "planner.md"
+    summary = bench_planner.main(["--quick", "--out", str(out), "--timeout", "180"])
+    assert summary["measured"] == summary["shapes"] >= 2
+    assert summary["step_worst"] is not None and summary["act_worst"] is not None
+    text = out.read_text()
+    assert "## Summary" in text and "| pp | vpp |" in text
+    assert os.path.exists(tmp_path / "planner.jsonl")
