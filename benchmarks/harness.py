@@ -25,7 +25,6 @@ from __future__ import annotations
 import datetime as _dt
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import time
@@ -38,6 +37,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
+
+from lightning_pp.planner.verify import free_port, wait_for_world
 
 # --------------------------------------------------------------------------------------------
 # Machine description (goes into every results file)
@@ -93,12 +94,6 @@ def machine_info() -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def init_process_group(rank: int, world_size: int, port: int, device: str) -> torch.device:
     """Join the benchmark's process group (gloo on CPU, nccl on CUDA); return this rank's device."""
     torch.set_num_threads(1)
@@ -149,7 +144,8 @@ def launch(
     """Run ``fn(rank, world_size, device, args)`` on ``world_size`` spawned ranks; return results.
 
     ``fn`` must be importable (defined at module level). On any rank's error, or when ``timeout``
-    seconds pass, every still-running worker is terminated and a ``RuntimeError`` names the rank.
+    seconds pass, every still-running worker is killed and a ``RuntimeError``
+    (:class:`~lightning_pp.planner.verify.WorldFailure`) names the rank.
     """
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
@@ -164,41 +160,7 @@ def launch(
     ]
     for p in procs:
         p.start()
-    results: dict[int, Any] = {}
-    deadline = time.monotonic() + timeout
-    error = None
-    try:
-        while len(results) < world_size:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                error = f"benchmark timed out after {timeout:.0f}s; ranks done: {sorted(results)}"
-                break
-            try:
-                rank, status, payload = queue.get(timeout=min(remaining, 5.0))
-            except Exception:  # queue.Empty: check for ranks that died without reporting
-                dead = [
-                    r
-                    for r, p in enumerate(procs)
-                    if p.exitcode not in (None, 0) and r not in results
-                ]
-                if dead:
-                    error = f"rank(s) {dead} died (exit codes {[procs[r].exitcode for r in dead]})"
-                    break
-                continue
-            if status == "error":
-                error = payload
-                break
-            results[rank] = payload
-    finally:
-        for p in procs:
-            p.join(timeout=10 if error is None else 1)
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
-    if error is not None:
-        raise RuntimeError(error)
-    return [results[r] for r in range(world_size)]
+    return wait_for_world(procs, queue, timeout=timeout, poll=5.0)
 
 
 # --------------------------------------------------------------------------------------------

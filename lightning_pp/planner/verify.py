@@ -63,7 +63,9 @@ __all__ = [
     "measure_many",
     "pct_error",
     "resize_batch",
+    "free_port",
     "run_world",
+    "wait_for_world",
 ]
 
 
@@ -75,7 +77,8 @@ class WorldFailure(RuntimeError):
 # ---- spawning a world -----------------------------------------------------------------------
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a world's rendezvous)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -142,7 +145,7 @@ def run_world(
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [
         ctx.Process(
             target=_child, args=(fn, r, world, port, payload, results, threads), daemon=True
@@ -151,6 +154,21 @@ def run_world(
     ]
     for p in procs:
         p.start()
+    return wait_for_world(procs, results, timeout=timeout, poll=1.0)
+
+
+def wait_for_world(procs: Sequence[Any], results: Any, *, timeout: float, poll: float) -> list[Any]:
+    """The parent's side of a spawned world: collect ``(rank, "ok" | "error", value)`` from
+    ``results`` until every rank reported; return the values by rank. Every ``poll`` seconds
+    without a message, a rank that exited without reporting ends the wait. Whatever happens,
+    every process still running afterwards is killed with its process tree. Used by
+    :func:`run_world` and by ``benchmarks/harness.launch``.
+
+    Raises:
+        WorldFailure: a rank raised (its traceback), died (its exit code), or ``timeout``
+            seconds passed (which ranks had finished).
+    """
+    world = len(procs)
     got: dict[int, Any] = {}
     error: str | None = None
     deadline = time.monotonic() + timeout
@@ -161,7 +179,7 @@ def run_world(
                 error = f"timed out after {timeout:.0f} s; ranks finished: {sorted(got)}"
                 break
             try:
-                rank, status, value = results.get(timeout=min(remaining, 1.0))
+                rank, status, value = results.get(timeout=min(remaining, poll))
             except queue_mod.Empty:
                 dead = [
                     r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in got
