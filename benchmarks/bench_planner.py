@@ -61,7 +61,6 @@ from lightning_pp.planner.verify import (
     fit_links,
     measure_many,
     pct_error,
-    resize_batch,
 )
 from lightning_pp.schedules import Op
 
@@ -163,14 +162,10 @@ def grid(setup: Setup, profile: ModelProfile) -> list[tuple[Any, Any]]:
 
 def spec_of(setup: Setup, cand: Any, records: bool = False) -> RunSpec:
     times = tuple(layer_times(setup.per_sample, int(cand.microbatch_size)))
-    return RunSpec(
+    return RunSpec.for_candidate(
         functools.partial(sleep_model, times),
-        resize_batch(batch(), cand.batch_size),
-        pp=cand.pp,
-        vpp=cand.vpp,
-        microbatches=cand.microbatches,
-        schedule=cand.schedule,
-        counts=cand.counts,
+        batch(),
+        cand,
         warmup=setup.warmup,
         steps=setup.steps,
         keep_records=records,

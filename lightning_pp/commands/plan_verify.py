@@ -88,17 +88,12 @@ def config_shape(cfg: RunConfig, profile: Any, world: int, global_batch: int) ->
 
 
 def _spec(cfg: RunConfig, batch: Any, cand: Any, args: argparse.Namespace, records: bool) -> Any:
-    from lightning_pp.planner.verify import RunSpec, build_config_model, resize_batch
+    from lightning_pp.planner.verify import RunSpec, build_config_model
 
-    return RunSpec(
+    return RunSpec.for_candidate(
         functools.partial(build_config_model, cfg.get("model"), cfg.get("seed")),
-        resize_batch(batch, cand.batch_size),
-        pp=cand.pp,
-        vpp=cand.vpp,
-        microbatches=cand.microbatches,
-        schedule=cand.schedule,
-        counts=cand.counts,
-        recompute=cand.recompute,
+        batch,
+        cand,
         warmup=args.verify_warmup,
         steps=args.verify_steps,
         keep_records=records,

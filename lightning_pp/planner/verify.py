@@ -269,6 +269,33 @@ class RunSpec:
     steps: int = 3
     keep_records: bool = False
 
+    @classmethod
+    def for_candidate(
+        cls,
+        builder: Callable[[], BuiltModel],
+        batch: Any,
+        cand: Any,
+        *,
+        warmup: int,
+        steps: int,
+        keep_records: bool = False,
+    ) -> RunSpec:
+        """The run of a search candidate (:class:`~lightning_pp.planner.search.Candidate`):
+        its shape, split and recompute setting, on ``batch`` resized to its batch size."""
+        return cls(
+            builder,
+            resize_batch(batch, cand.batch_size),
+            pp=cand.pp,
+            vpp=cand.vpp,
+            microbatches=cand.microbatches,
+            schedule=cand.schedule,
+            counts=cand.counts,
+            recompute=cand.recompute,
+            warmup=warmup,
+            steps=steps,
+            keep_records=keep_records,
+        )
+
 
 @dataclass
 class Measured:
