@@ -364,22 +364,30 @@ def _base_plans(
                         continue
                     what = f"{where} vpp={vpp} m={m} {name}"
                     try:
-                        schedule = check_schedule_args(name, pp, m, vpp, warn=False)
                         check_world(world, pp, dp)
-                        check_batch(per, m, dp)
+                        plan = _checked_plan(world, pp, dp, per, name, m, vpp)
                     except PreflightError as err:
                         yield dp, None, what, str(err)
                         continue
-                    plan = PipelinePlan(
-                        pp=pp,
-                        vpp=schedule.vpp,
-                        microbatches=m,
-                        schedule=schedule,
-                        world_size=world,
-                        dp=dp,
-                        batch_size=per,
-                    )
                     yield dp, plan, what, ""
+
+
+def _checked_plan(
+    world: int, pp: int, dp: int, per: int, schedule: str, microbatches: int, vpp: int
+) -> PipelinePlan:
+    """The plan of one shape after the schedule's and the batch's rules (the world's is the
+    caller's), without layers; raises :class:`PreflightError`."""
+    sched = check_schedule_args(schedule, pp, microbatches, vpp, warn=False)
+    check_batch(per, microbatches, dp)
+    return PipelinePlan(
+        pp=pp,
+        vpp=sched.vpp,
+        microbatches=microbatches,
+        schedule=sched,
+        world_size=world,
+        dp=dp,
+        batch_size=per,
+    )
 
 
 def _splits(
@@ -520,17 +528,7 @@ def make_candidate(
     if global_batch % dp:
         raise PreflightError(f"global batch {global_batch} does not split over dp={dp}")
     per = global_batch // dp
-    sched = check_schedule_args(schedule, pp, microbatches, vpp, warn=False)
-    check_batch(per, microbatches, dp)
-    base = PipelinePlan(
-        pp=pp,
-        vpp=sched.vpp,
-        microbatches=microbatches,
-        schedule=sched,
-        world_size=world,
-        dp=dp,
-        batch_size=per,
-    )
+    base = _checked_plan(world, pp, dp, per, schedule, microbatches, vpp)
     if isinstance(split, str):
         layers = profile.layers(per / microbatches)
         space = SearchSpace(splits=(split,))
@@ -541,7 +539,9 @@ def make_candidate(
     else:
         label, counts = "explicit", tuple(int(c) for c in split)
     plan = _with_counts(base, counts, profile.num_layers)
-    cand = Candidate(dp, pp, sched.vpp, microbatches, sched.name, label, recompute, counts, per)
+    cand = Candidate(
+        dp, pp, base.vpp, microbatches, base.schedule.name, label, recompute, counts, per
+    )
     return cand, plan
 
 
