@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -207,3 +209,30 @@ def run_job(
         timeout=timeout,
         pgid=proc.pid,
     )
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (a job's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun_command(nproc: int, script: str | Path, *args: str) -> list[str]:
+    """``python -m torch.distributed.run`` of ``script`` on ``nproc`` local processes, one
+    node, rendezvous on a free local port: the launcher users run."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "1",
+        "--nproc_per_node",
+        str(nproc),
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+        str(script),
+        *args,
+    ]

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 from pathlib import Path
 
@@ -32,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "tests" / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 
-from jobs import run_job  # noqa: E402
+from jobs import run_job, torchrun_command  # noqa: E402
 from pp_common import MODEL_KW, STEPS, Data, Recorder, make_trainer  # noqa: E402
 
 from lightning_pp.models import GPT  # noqa: E402
@@ -51,33 +50,17 @@ NUM_LAYERS = MODEL_KW["n_layer"] + 2  # embedding, blocks, head
 BLOCKS = range(1, MODEL_KW["n_layer"] + 1)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def job(tmp_path_factory) -> dict[str, list[dict]]:
     out = tmp_path_factory.mktemp("recompute_trainer")
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nnodes",
-        "1",
-        "--nproc_per_node",
-        str(PP),
-        "--master_addr",
-        "127.0.0.1",
-        "--master_port",
-        str(_free_port()),
+    cmd = torchrun_command(
+        PP,
         str(SCRIPTS / "recompute_run.py"),
         "--out",
         str(out),
         "--configs",
         json.dumps(CONFIGS),
-    ]
+    )
     env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import sys
 from pathlib import Path
 
@@ -22,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "tests" / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 
-from jobs import run_job  # noqa: E402
+from jobs import free_port, run_job, torchrun_command  # noqa: E402
 from pp_common import run_reference  # noqa: E402
 
 REL_TOL = 1e-5
@@ -41,12 +40,6 @@ TWO = [
     {"name": "pp2_bf16", "pp": 2, "microbatches": 2, "accumulate": 1, "precision": "bf16-mixed"},
 ]
 TWO_NODES = [FOUR[3]]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _run(cmd: list[str], timeout: float, env: dict | None = None) -> str:
@@ -78,24 +71,14 @@ def references(tmp_path_factory) -> dict[int, dict]:
 @pytest.fixture(scope="module")
 def four_proc(tmp_path_factory) -> dict[str, list[dict]]:
     out = tmp_path_factory.mktemp("four")
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nnodes",
-        "1",
-        "--nproc_per_node",
-        "4",
-        "--master_addr",
-        "127.0.0.1",
-        "--master_port",
-        str(_free_port()),
+    cmd = torchrun_command(
+        4,
         str(SCRIPTS / "pp_run.py"),
         "--out",
         str(out),
         "--configs",
         json.dumps(FOUR),
-    ]
+    )
     _run(cmd, timeout=400)
     return _load(out, FOUR, 4)
 
@@ -114,7 +97,7 @@ def two_proc(tmp_path_factory) -> dict[str, list[dict]]:
         "--configs",
         json.dumps(TWO),
     ]
-    env = {"MASTER_PORT": str(_free_port()), "MASTER_ADDR": "127.0.0.1"}
+    env = {"MASTER_PORT": str(free_port()), "MASTER_ADDR": "127.0.0.1"}
     _run(cmd, timeout=300, env=env)
     return _load(out, TWO, 2)
 
@@ -221,7 +204,7 @@ def test_two_nodes_on_loopback_match_single_node(tmp_path, four_proc, references
         "--configs",
         json.dumps(TWO_NODES),
     ]
-    env = {"SCRIPT": str(SCRIPTS / "pp_run.py"), "MASTER_PORT": str(_free_port())}
+    env = {"SCRIPT": str(SCRIPTS / "pp_run.py"), "MASTER_PORT": str(free_port())}
     _run(cmd, timeout=300, env=env)
     ranks = _load(out, TWO_NODES, 4)[TWO_NODES[0]["name"]]
     single = four_proc[TWO_NODES[0]["name"]]

@@ -10,10 +10,10 @@ import sys
 
 import pytest
 import torch
+from jobs import free_port, torchrun_command
 from test_strategy import (
     SCRIPTS,
     _check_against_reference,
-    _free_port,
     _load,
     _rel_errors,
     _run,
@@ -51,24 +51,14 @@ def references(tmp_path_factory) -> dict[int, dict]:
 @pytest.fixture(scope="module")
 def four_proc(tmp_path_factory) -> dict[str, list[dict]]:
     out = tmp_path_factory.mktemp("four")
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nnodes",
-        "1",
-        "--nproc_per_node",
-        "4",
-        "--master_addr",
-        "127.0.0.1",
-        "--master_port",
-        str(_free_port()),
+    cmd = torchrun_command(
+        4,
         str(SCRIPTS / "pp_run.py"),
         "--out",
         str(out),
         "--configs",
         json.dumps(FOUR),
-    ]
+    )
     _run(cmd, timeout=500)
     return _load(out, FOUR, 4)
 
@@ -86,7 +76,7 @@ def two_proc(tmp_path_factory) -> dict[str, list[dict]]:
         "--configs",
         json.dumps(TWO),
     ]
-    env = {"MASTER_PORT": str(_free_port()), "MASTER_ADDR": "127.0.0.1"}
+    env = {"MASTER_PORT": str(free_port()), "MASTER_ADDR": "127.0.0.1"}
     _run(cmd, timeout=300, env=env)
     return _load(out, TWO, 2)
 
