@@ -86,22 +86,42 @@ def _worker(rank, world, device, args):
 
 
 def _pingpong(rank, world, device, n):
-    """Median one-way latency of a 512-byte boundary tensor over the backend (rank 0 <-> 1)."""
+    """Median one-way latency of a 512-byte boundary tensor (rank 0 <-> 1), and the median time
+    to post a send and a receive together, two ways: through ``batch_isend_irecv`` (what torch's
+    pipelining and, on NCCL, lightning_pp use) and straight on the gloo process group (what
+    lightning_pp's communicator does on gloo, ``P2PCommunicator._post_direct``)."""
     import torch.distributed as dist
 
-    buf = torch.zeros(128, device=device)
-    times = []
-    for _ in range(n):
-        dist.barrier()
-        t0 = time.perf_counter()
-        if rank == 0:
-            dist.batch_isend_irecv([dist.P2POp(dist.isend, buf, 1)])[0].wait()
-            dist.batch_isend_irecv([dist.P2POp(dist.irecv, buf, 1)])[0].wait()
-        elif rank == 1:
-            dist.batch_isend_irecv([dist.P2POp(dist.irecv, buf, 0)])[0].wait()
-            dist.batch_isend_irecv([dist.P2POp(dist.isend, buf, 0)])[0].wait()
-        times.append((time.perf_counter() - t0) / 2)
-    return statistics.median(times)
+    group = dist.group.WORLD
+    peer = 1 - rank if rank < 2 else None
+    buf, other = torch.zeros(128, device=device), torch.zeros(128, device=device)
+
+    def post(direct: bool, send: torch.Tensor, recv: torch.Tensor) -> list:
+        if direct:
+            return [group.send([send], peer, 0), group.recv([recv], peer, 0)]
+        return dist.batch_isend_irecv(
+            [dist.P2POp(dist.isend, send, peer), dist.P2POp(dist.irecv, recv, peer)]
+        )
+
+    out = {}
+    for direct in (False, True, False, True):
+        lat, posting = [], []
+        for _ in range(n):
+            dist.barrier()
+            if peer is None:
+                continue
+            t0 = time.perf_counter()
+            # one message each way, each rank's send and receive posted together
+            works = post(direct, buf, other)
+            t1 = time.perf_counter()
+            for w in works:
+                w.wait()
+            lat.append((time.perf_counter() - t0) / 2)
+            posting.append(t1 - t0)
+        if peer is not None:
+            key = "direct" if direct else "batch_isend_irecv"
+            out.setdefault(key, []).append((statistics.median(lat), statistics.median(posting)))
+    return {k: tuple(min(x[i] for x in v) for i in range(2)) for k, v in out.items()}
 
 
 def device_overshoot(reps: int = 30) -> dict[str, float]:
@@ -150,8 +170,12 @@ def main(argv=None):
         print(f"load average at start: {load:.2f}")
         return
     if a.pingpong:
-        lat = launch(_pingpong, 2, 300, timeout=300)[0]
-        print(f"median one-way latency of a 512-byte tensor, rank 0 <-> 1: {lat * 1e3:.3f} ms")
+        res = launch(_pingpong, 2, 300, timeout=300)[0]
+        for how, (lat, posting) in res.items():
+            print(
+                f"{how}: median one-way latency of a 512-byte tensor, rank 0 <-> 1: "
+                f"{lat * 1e3:.3f} ms; posting a send and a receive: {posting * 1e6:.0f} us"
+            )
         return
     res = launch(
         _worker,
