@@ -2,9 +2,11 @@
 
 One :class:`P2PCommunicator` per rank. Every compute step hands it the messages the step
 produced and the receives of upcoming steps (at least the NEXT one; the engine's
-``recv_lookahead``); all of them go out in ONE ``dist.batch_isend_irecv`` call (Megatron's
-``send_forward_recv_backward`` pairing), so two neighbours that send to each other at the same
-time never deadlock on ordering.
+``recv_lookahead``). Nothing it posts blocks, so two neighbours that send to each other at the
+same time never deadlock on ordering. On gloo (asynchronous sends, matched by tag) the sends go
+out first, each straight on the process group, then the receives; under NCCL's rules everything
+goes out in the schedule's global message order in batched ``dist.batch_isend_irecv`` calls
+(Megatron's ``send_forward_recv_backward`` pairing).
 
 The engine talks to it through a per-step :class:`ReceiveWindow`: "send these messages, and post
 the receives of the next k actions" (:meth:`ReceiveWindow.exchange`), then "give me what action i
@@ -748,10 +750,15 @@ class ReceiveWindow:
         self.current: list[PendingRecv] = []  # the receives taken by the last wait()
 
     def exchange(self, sends: Sequence[Message], *, after: int) -> PendingSend:
-        """Post ``sends`` (of action ``after``; ``-1`` before the first) with the receives of the
-        actions up to ``after + lookahead`` not posted yet, in one batched call."""
+        """Post ``sends`` (of action ``after``; ``-1`` before the first), then the receives of
+        the actions up to ``after + lookahead`` not posted yet."""
         if self.order is not None:
             return self._exchange_ordered(sends, after)
+        # The sends go out first, on their own: a neighbour may be blocked waiting for them, and
+        # stating the lookahead receives (and allocating their buffers) would delay its wake-up.
+        # gloo matches by tag, so a separate batch changes nothing else (NCCL posts in order,
+        # above).
+        sent = self.comm.exchange(sends, [])[0]
         reqs: list[RecvRequest] = []
         counts: list[tuple[int, int]] = []
         j, last = self._upto + 1, min(after + self.lookahead, self.count - 1)
@@ -763,7 +770,7 @@ class ReceiveWindow:
             reqs += needs
             counts.append((j, len(needs)))
             j += 1
-        sent, pendings = self.comm.exchange(sends, reqs)
+        _, pendings = self.comm.exchange([], reqs)
         k = 0
         for index, n in counts:
             self._posted[index] = pendings[k : k + n]
