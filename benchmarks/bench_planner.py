@@ -71,8 +71,15 @@ PER_SAMPLE = (1.5e-3, *([0.25e-3] * 6), 1.0e-3)
 SCHEDULES = {1: ("gpipe", "1f1b", "zb-h1"), 2: ("interleaved", "zbv")}
 
 
+#: the transformer workload: pipeline layers of (dim 128, 4 heads, seq 64) blocks, the first
+#: three blocks deep and the last two (heavy first and last layers, like an embedding and a head)
+BLOCKS_PER_LAYER = (3, 1, 1, 1, 1, 1, 1, 2)
+DIM, HEADS, SEQ = 128, 4, 64
+
+
 @dataclasses.dataclass(frozen=True)
 class Setup:
+    workload: str = "sleep"
     per_sample: tuple[float, ...] = PER_SAMPLE
     pps: tuple[int, ...] = (1, 2, 4)
     ms: tuple[int, ...] = (2, 4, 8, 16)
@@ -112,10 +119,41 @@ def sleep_model(times: tuple[tuple[float, float, float], ...]) -> BuiltModel:
     return BuiltModel(layers, lambda mb: mb[0], lambda out, mb: F.mse_loss(out, mb[1]))
 
 
+def transformer_model() -> BuiltModel:
+    """The transformer workload (same seed every rank): ``BLOCKS_PER_LAYER`` blocks per layer."""
+    from benchmarks.workloads import Block
+
+    torch.manual_seed(0)
+    layers: list[torch.nn.Module] = [
+        torch.nn.Sequential(*[Block(DIM, HEADS) for _ in range(k)]) for k in BLOCKS_PER_LAYER
+    ]
+    return BuiltModel(layers, lambda mb: mb[0], lambda out, mb: F.mse_loss(out, mb[1]))
+
+
 def build_profile(setup: Setup, sizes: list[int]) -> ModelProfile:
-    """Nominal times; saved, boundary and parameter bytes measured by the planner's profiler
-    on the same layers (zero-cost copies: bytes do not depend on the sleep)."""
+    """Sleep: nominal times; saved, boundary and parameter bytes measured by the planner's
+    profiler on the same layers (zero-cost copies: bytes do not depend on the sleep).
+    Transformer: everything measured by the planner's profiler, in CPU time on one thread (what
+    each rank runs with)."""
     from lightning_pp.models.virtual_device import SleepLayer
+
+    if setup.workload == "transformer":
+        before = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            measured = profile_layers(
+                transformer_model().layers,
+                lambda n: torch.randn(n, SEQ, DIM),
+                sizes,
+                repeats=3,
+                log=None,
+                clock=time.process_time,
+            )
+        finally:
+            torch.set_num_threads(before)
+        return ModelProfile(
+            measured, device="cpu", layer_names=("Block",) * len(measured[sizes[0]])
+        )
 
     torch.manual_seed(0)
     layers = [SleepLayer(WIDTH, t_f=0.0, t_i=0.0, t_w=0.0) for _ in setup.per_sample]
@@ -129,11 +167,10 @@ def build_profile(setup: Setup, sizes: list[int]) -> ModelProfile:
     return ModelProfile(by_size, device="cpu", layer_names=("SleepLayer",) * len(layers))
 
 
-def batch() -> tuple[torch.Tensor, torch.Tensor]:
+def batch(setup: Setup) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1)
-    return torch.randn(GLOBAL_BATCH, WIDTH, generator=g), torch.randn(
-        GLOBAL_BATCH, WIDTH, generator=g
-    )
+    shape = (GLOBAL_BATCH, SEQ, DIM) if setup.workload == "transformer" else (GLOBAL_BATCH, WIDTH)
+    return torch.randn(shape, generator=g), torch.randn(shape, generator=g)
 
 
 def grid(setup: Setup, profile: ModelProfile) -> list[tuple[Any, Any]]:
@@ -161,10 +198,15 @@ def grid(setup: Setup, profile: ModelProfile) -> list[tuple[Any, Any]]:
 
 
 def spec_of(setup: Setup, cand: Any, records: bool = False) -> RunSpec:
-    times = tuple(layer_times(setup.per_sample, int(cand.microbatch_size)))
+    if setup.workload == "transformer":
+        build: Any = transformer_model
+    else:
+        build = functools.partial(
+            sleep_model, tuple(layer_times(setup.per_sample, int(cand.microbatch_size)))
+        )
     return RunSpec.for_candidate(
-        functools.partial(sleep_model, times),
-        batch(),
+        build,
+        batch(setup),
         cand,
         warmup=setup.warmup,
         steps=setup.steps,
@@ -182,7 +224,10 @@ def calibrate(setup: Setup, profile: ModelProfile, timeout: float) -> dict[str, 
     t0 = time.perf_counter()
     got = measure_many([spec_of(setup, cand, records=True)], setup.world, timeout=timeout)[0]
     bare = step_costs(
-        plan, profile.layers(cand.microbatch_size), None, profile.with_links(overhead_s=0.0)
+        plan,
+        profile.layers(cand.microbatch_size),
+        None,
+        profile.with_links(overhead_s=0.0, compute_scale=1.0),
     )
 
     def nominal(rank: int, chunk: int, op: Op) -> float:
@@ -192,6 +237,7 @@ def calibrate(setup: Setup, profile: ModelProfile, timeout: float) -> dict[str, 
     cal = fit_links(got.records, nominal)
     return {
         "overhead_s": cal.overhead_s,
+        "compute_scale": cal.compute_scale,
         "latency_s": cal.latency_s,
         "actions": cal.actions,
         "hops": cal.hops,
@@ -209,10 +255,15 @@ def run(
     profile = build_profile(setup, sizes)
     cal = calibrate(setup, profile, timeout)
     log(
-        f"calibrated: overhead {cal['overhead_s'] * 1e3:.3f} ms/action, hop latency "
+        f"calibrated: overhead {cal['overhead_s'] * 1e3:.3f} ms/action, layers x"
+        f"{cal['compute_scale']:.3f}, hop latency "
         f"{cal['latency_s'] * 1e6:.0f} us ({cal['actions']} actions, {cal['hops']} hops)"
     )
-    calibrated = profile.with_links(latency_s=cal["latency_s"], overhead_s=cal["overhead_s"])
+    calibrated = profile.with_links(
+        latency_s=cal["latency_s"],
+        overhead_s=cal["overhead_s"],
+        compute_scale=cal["compute_scale"],
+    )
     defaults = profile.with_links(latency_s=DEFAULT_LATENCY_S, overhead_s=DEFAULT_OVERHEAD_S)
     shapes = grid(setup, profile)
     groups: dict[tuple[int, str], list[tuple[Any, Any]]] = {}
@@ -232,8 +283,10 @@ def run(
             got, failure = [None] * len(members), str(err)
         log(f"pp={pp} vpp={vpp}: {len(members)} shapes in {time.perf_counter() - t0:.1f} s")
         for (cand, plan), meas in zip(members, got):
-            pred = predict(calibrated, cand, plan)
-            pred_default = predict(defaults, cand, plan)
+            # real compute competes for the cores (sleep does not): the oversubscription term
+            cores = (os.cpu_count() or 1) if setup.workload == "transformer" else None
+            pred = predict(calibrated, cand, plan, cores=cores)
+            pred_default = predict(defaults, cand, plan, cores=cores)
             rec = {
                 "dp": cand.dp,
                 "pp": cand.pp,
@@ -322,23 +375,37 @@ def _pct(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.1f} %"
 
 
+def _model_line(meta: dict) -> str:
+    if meta.get("workload") == "transformer":
+        return (
+            f"{len(BLOCKS_PER_LAYER)} pipeline layers of {list(BLOCKS_PER_LAYER)} transformer "
+            f"blocks (dim {DIM}, {HEADS} heads, seq {SEQ}), costs measured by the planner's "
+            f"profiler (CPU time, one thread); predictions with the oversubscription term "
+            f"(cores={meta.get('cores')})"
+        )
+    return (
+        f"{len(meta['per_sample'])} SleepLayers, forward ms per sample "
+        f"{[round(t * 1e3, 3) for t in meta['per_sample']]} (input and weight gradient: the "
+        f"same again each; layer 0 has no input gradient)"
+    )
+
+
 def to_markdown(recs: list[dict], summary: dict, meta: dict) -> str:
     cal = meta["calibration"]
     lines = [
-        "# Planner accuracy: predicted vs measured (virtual device)",
+        f"# Planner accuracy: predicted vs measured ({meta.get('workload', 'sleep')} workload)",
         "",
         f"Command: `{meta['command']}`",
         "",
         f"- machine: {meta['machine']['nproc']} CPUs, torch {meta['machine']['torch']}, commit "
         f"{meta['machine']['commit']}; {meta['seconds']:.0f} s; load average at start "
         f"{meta['machine']['loadavg']}, at end {meta['loadavg_end']}",
-        f"- model: {len(meta['per_sample'])} SleepLayers, forward ms per sample "
-        f"{[round(t * 1e3, 3) for t in meta['per_sample']]} (input and weight gradient: the "
-        f"same again each; layer 0 has no input gradient), global batch {GLOBAL_BATCH}, "
+        f"- model: {_model_line(meta)}, global batch {GLOBAL_BATCH}, "
         f"world {meta['world']} (dp = world / pp); {meta['warmup']} warm-up + "
         f"{meta['steps']} timed steps per shape (median)",
         f"- calibrated from one run ({cal['shape']}): engine overhead "
-        f"{cal['overhead_s'] * 1e3:.3f} ms per action (median of {cal['actions']} actions), "
+        f"{cal['overhead_s'] * 1e3:.3f} ms per action, layers {cal['compute_scale']:.3f}x "
+        f"their profiled time (fitted over {cal['actions']} actions), "
         f"hop latency {cal['latency_s'] * 1e6:.0f} us ({cal['hops']} hops)",
         "",
         "## Summary",
@@ -399,8 +466,26 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per spawned world")
     ap.add_argument("--ms", type=int, nargs="+", default=None, help="microbatch counts")
+    ap.add_argument(
+        "--scale",
+        type=float,
+        default=None,
+        help="multiply every layer cost (default 1: the per-sample costs in the docstring)",
+    )
+    ap.add_argument("--workload", choices=("sleep", "transformer"), default="sleep")
+    ap.add_argument("--world", type=int, default=None, help="processes (default 4)")
+    ap.add_argument("--pps", type=int, nargs="+", default=None, help="pipeline sizes")
     args = ap.parse_args(argv)
     setup = QUICK if args.quick else Setup()
+    setup = dataclasses.replace(setup, workload=args.workload)
+    if args.world:
+        setup = dataclasses.replace(setup, world=args.world)
+    if args.pps:
+        setup = dataclasses.replace(setup, pps=tuple(args.pps))
+    if args.scale:
+        setup = dataclasses.replace(
+            setup, per_sample=tuple(t * args.scale for t in setup.per_sample)
+        )
     if args.steps:
         setup = dataclasses.replace(setup, steps=args.steps)
     if args.ms:
@@ -420,6 +505,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "seconds": time.perf_counter() - t0,
         "calibration": cal,
         "per_sample": list(setup.per_sample),
+        "workload": setup.workload,
+        "cores": os.cpu_count(),
         "world": setup.world,
         "warmup": setup.warmup,
         "steps": setup.steps,

@@ -24,6 +24,7 @@ from lightning_pp.planner.verify import (
     RunSpec,
     VerifyRow,
     WorldFailure,
+    fit_compute,
     fit_links,
     format_verify_table,
     measure,
@@ -119,6 +120,32 @@ def test_fit_links_recovers_overhead_and_latency_from_a_synthetic_record():
     assert cal.overhead_s == pytest.approx(oh, abs=1e-9)
     assert cal.latency_s == pytest.approx(hop, abs=1e-9)
     assert (cal.actions, cal.hops) == (4, 2)
+    assert cal.compute_scale == pytest.approx(1.0, abs=1e-9)
+
+
+def test_fit_compute_separates_a_slower_device_from_a_per_action_overhead():
+    """Layers 1.3x slower than profiled plus 0.4 ms per action: a constant alone would call it
+    an overhead that grows with the action's cost; the fit recovers both, and a prediction
+    with them matches the measured actions."""
+    nominal = [1e-3, 2e-3, 5e-3, 1e-2, 2e-2] * 3
+    pairs = [(n, 1.3 * n + 0.4e-3) for n in nominal]
+    scale, overhead = fit_compute(pairs)
+    assert scale == pytest.approx(1.3, rel=1e-9) and overhead == pytest.approx(0.4e-3, abs=1e-12)
+    # no spread in the profiled times: no slope can be told apart; scale 1, median excess
+    assert fit_compute([(2e-3, 3e-3), (2e-3, 3.2e-3), (2e-3, 2.9e-3)]) == pytest.approx((1.0, 1e-3))
+    # a slope outside the trusted bounds (noise) is not used
+    assert fit_compute([(1e-3, 9e-3), (2e-3, 30e-3)])[0] == 1.0
+
+
+def test_the_compute_scale_multiplies_every_layer_time_in_the_prediction():
+    # no link cost (an infinite bandwidth): what is left is layer time, all of it scaled
+    prof = ModelProfile(
+        {4: [_layer(1e-3)] * 4}, overhead_s=0.0, latency_s=0.0, bandwidth=float("inf")
+    )
+    cand, plan = make_candidate(prof, 2, 16, pp=2, vpp=1, microbatches=4, schedule="1f1b")
+    base = predict(prof, cand, plan).makespan_s
+    slower = predict(prof.with_links(compute_scale=1.5), cand, plan).makespan_s
+    assert slower == pytest.approx(1.5 * base, rel=1e-9)
 
 
 # ---- real runs ----------------------------------------------------------------------------------

@@ -159,6 +159,7 @@ def run_search(cfg: RunConfig, args: argparse.Namespace, command: str = "plan") 
             profile = profile.with_links(
                 latency_s=cal.latency_s if args.latency is None else None,
                 overhead_s=cal.overhead_s if args.overhead is None else None,
+                compute_scale=cal.compute_scale,
             )
         else:
             calibrated = cal_msg

@@ -146,7 +146,7 @@ def calibrate(
         return None, None, f"calibrate: the run failed: {error.strip().splitlines()[-1]}"
     bare = step_costs(
         plan, profile.layers(cand.microbatch_size), cand.recompute, profile.with_links(
-            overhead_s=0.0
+            overhead_s=0.0, compute_scale=1.0
         ),
     )  # fmt: skip
 
@@ -157,8 +157,9 @@ def calibrate(
 
     cal = fit_links(got.records, nominal)
     msg = (
-        f"calibrate: engine overhead {cal.overhead_s * 1e3:.2f} ms per action (median of "
-        f"{cal.actions} actions), hop latency {cal.latency_s * 1e6:.0f} us ({cal.hops} hops), "
+        f"calibrate: engine overhead {cal.overhead_s * 1e3:.2f} ms per action and layers "
+        f"{cal.compute_scale:.2f}x their profiled time (fitted over {cal.actions} actions), hop "
+        f"latency {cal.latency_s * 1e6:.0f} us ({cal.hops} hops), "
         f"from {len(got.steps_s)} steps of {_short(cand)} ({got.seconds:.1f} s)"
     )
     return cal, got, msg

@@ -146,7 +146,10 @@ class ModelProfile:
     ``by_size[n]``: one :class:`LayerCost` per layer at microbatch size ``n`` (samples).
     ``latency_s`` / ``bandwidth``: one point-to-point message's fixed cost and bytes per
     second. ``overhead_s``: the engine's fixed cost per action (F, B, I or W) beyond the layers'
-    own time. ``tokens_per_sample``: for tokens/s (``None``: samples/s only). ``model_hash``:
+    own time. ``compute_scale``: how much slower (``> 1``) the layers run inside the pipeline
+    than when profiled alone (other processes sharing the cores, colder caches), fitted by
+    ``--calibrate``; every layer time is multiplied by it. ``tokens_per_sample``: for tokens/s
+    (``None``: samples/s only). ``model_hash``:
     the model and config the profile belongs to (the profiler's cache key).
     """
 
@@ -154,6 +157,7 @@ class ModelProfile:
     latency_s: float = DEFAULT_LATENCY_S
     bandwidth: float = DEFAULT_BANDWIDTH
     overhead_s: float = DEFAULT_OVERHEAD_S
+    compute_scale: float = 1.0
     device: str = "cpu"
     model_hash: str = ""
     tokens_per_sample: int | None = None
@@ -247,6 +251,7 @@ class ModelProfile:
         latency_s: float | None = None,
         bandwidth: float | None = None,
         overhead_s: float | None = None,
+        compute_scale: float | None = None,
     ) -> ModelProfile:
         """The same layers with other link/engine numbers (``None``: keep)."""
         return dataclasses.replace(
@@ -254,4 +259,5 @@ class ModelProfile:
             latency_s=self.latency_s if latency_s is None else latency_s,
             bandwidth=self.bandwidth if bandwidth is None else bandwidth,
             overhead_s=self.overhead_s if overhead_s is None else overhead_s,
+            compute_scale=self.compute_scale if compute_scale is None else compute_scale,
         )

@@ -256,16 +256,16 @@ def step_costs(
 ) -> Costs:
     """The simulator's cost model of a candidate (see the module notes). ``split``: whether
     the schedule splits backward, when known (finding out scans every action)."""
-    oh = profile.overhead_s
+    oh, k = profile.overhead_s, profile.compute_scale
     schedule = plan.schedule
     split = schedule.split_backward if split is None else split
     overrides: dict[tuple[int, int], tuple[float, ...]] = {}
     extra: dict[int | tuple[int, int], float] = {}
     for r, chunks in enumerate(_rank_chunks(plan, layers)):
         for c, chunk in enumerate(chunks):
-            t_f = sum(x.t_f for x in chunk)
-            t_i = sum(x.t_i for x in chunk)
-            t_w = sum(x.t_w for x in chunk)
+            t_f = k * sum(x.t_f for x in chunk)
+            t_i = k * sum(x.t_i for x in chunk)
+            t_w = k * sum(x.t_w for x in chunk)
             if split and schedule.stage(r, c) == 0:
                 t_i, t_w = 0.0, t_i + t_w  # no input gradient: W runs the whole backward
             overrides[(r, c)] = (t_f + oh, t_i + t_w + oh, t_i + oh, t_w + oh)

@@ -415,25 +415,66 @@ def measure_many(
 
 @dataclass(frozen=True)
 class Calibration:
-    """Fitted from one run's records: ``overhead_s`` per action (median), ``latency_s`` per
-    hop (mean; 0 with one stage), and how many actions / hops they rest on."""
+    """Fitted from one run's records: ``overhead_s`` per action and ``compute_scale`` (measured
+    action time = ``compute_scale`` x profiled + ``overhead_s``), ``latency_s`` per hop (mean;
+    0 with one stage), and how many actions / hops they rest on."""
 
     overhead_s: float
     latency_s: float
     actions: int
     hops: int
+    compute_scale: float = 1.0
+
+
+#: the fitted slope is trusted within these bounds; outside them (or without spread in the
+#: profiled times) the scale stays 1 and the overhead is the median excess
+_SCALE_BOUNDS = (0.5, 4.0)
+
+
+def fit_compute(pairs: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """``(scale, overhead)`` with ``measured ~= scale * nominal + overhead`` over the
+    ``(nominal, measured)`` action times: least squares for the slope (it needs profiled times
+    that differ by at least 20 %, e.g. F and B), then the overhead as the median residual,
+    never negative. Without that spread: scale 1, overhead the median of ``measured -
+    nominal``.
+
+    Why a slope: a layer that computes (not a virtual-device sleep) runs slower inside a
+    pipeline whose processes share cores than alone in the profiler, in proportion to its
+    cost; a per-action constant cannot carry that (it was fitted at 4.8 ms per action on a
+    transformer whose actions cost 10-60 ms).
+
+    Example:
+        >>> fit_compute([(1.0, 2.5), (2.0, 4.5), (4.0, 8.5)])
+        (2.0, 0.5)
+        >>> fit_compute([(1.0, 1.5), (1.0, 1.7)])
+        (1.0, 0.6)
+    """
+    if not pairs:
+        return 1.0, 0.0
+    nom = [n for n, _ in pairs]
+    scale = 1.0
+    if min(nom) > 0 and max(nom) >= 1.2 * min(nom):
+        mean_n = statistics.fmean(nom)
+        mean_m = statistics.fmean(m for _, m in pairs)
+        var = sum((n - mean_n) ** 2 for n in nom)
+        slope = sum((n - mean_n) * (m - mean_m) for n, m in pairs) / var
+        if _SCALE_BOUNDS[0] <= slope <= _SCALE_BOUNDS[1]:
+            scale = slope
+    overhead = max(statistics.median(m - scale * n for n, m in pairs), 0.0)
+    return round(scale, 12), round(overhead, 12)
 
 
 def fit_links(
     records: Sequence[Sequence[StepRecord]],
     nominal: Callable[[int, int, Op], float],
 ) -> Calibration:
-    """Fit the engine's per-action overhead and the hop latency from step records.
+    """Fit the engine's per-action overhead, the compute scale and the hop latency from step
+    records.
 
     ``records[r]``: pipeline rank r's records (one per step, all ranks the same steps);
     ``nominal(rank, chunk, op)``: what the profile says the action's layers cost (no
-    overhead). Overhead = median over every action of ``compute - nominal`` (never
-    negative); latency = :func:`~lightning_pp.callbacks.analysis.p2p_latency` per step,
+    overhead). Scale and overhead: :func:`fit_compute` over every action's ``(nominal,
+    compute)``; latency = :func:`~lightning_pp.callbacks.analysis.p2p_latency` per step,
     averaged.
 
     Example:
@@ -441,18 +482,20 @@ def fit_links(
         >>> from lightning_pp.schedules import build_schedule
         >>> s = build_schedule("1f1b", pp=1, microbatches=2)
         >>> ev = [StepEvent(a, 0.0, 1.5 if a.op is Op.F else 2.5) for a in s.ranks[0]]
-        >>> fit_links([[StepRecord(0, 0, s, 0.0, ev)]], lambda r, c, op: 1.0 if op is Op.F
-        ...           else 2.0).overhead_s
-        0.5
+        >>> cal = fit_links([[StepRecord(0, 0, s, 0.0, ev)]], lambda r, c, op: 1.0 if op is Op.F
+        ...                 else 2.0)
+        >>> cal.compute_scale, cal.overhead_s
+        (1.0, 0.5)
     """
     from ..callbacks.analysis import _receives, p2p_latency
 
-    extra = [
-        e.compute - nominal(r, e.action.chunk, e.action.op)
+    pairs = [
+        (nominal(r, e.action.chunk, e.action.op), e.compute)
         for r, recs in enumerate(records)
         for rec in recs
         for e in rec.events
     ]
+    scale, overhead = fit_compute(pairs)
     steps = min((len(recs) for recs in records), default=0)
     latencies, hops = [], 0
     if len(records) > 1:
@@ -463,10 +506,11 @@ def fit_links(
                 latencies.append(p2p_latency(one))
                 hops += n
     return Calibration(
-        max(statistics.median(extra), 0.0) if extra else 0.0,
+        overhead,
         statistics.fmean(latencies) if latencies else 0.0,
-        len(extra),
+        len(pairs),
         hops,
+        scale,
     )
 
 
