@@ -161,7 +161,7 @@ def build_profile(setup: Setup, sizes: list[int]) -> ModelProfile:
     by_size = {}
     for n in sizes:
         by_size[n] = [
-            dataclasses.replace(c, t_f=f, t_i=i, t_w=w)
+            dataclasses.replace(c, t_f=f, t_i=i, t_w=w, t_fused=i + w)
             for c, (f, i, w) in zip(measured[n], layer_times(setup.per_sample, n))
         ]
     return ModelProfile(by_size, device="cpu", layer_names=("SleepLayer",) * len(layers))

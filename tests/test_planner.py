@@ -36,6 +36,7 @@ from lightning_pp.planner import (
 from lightning_pp.planner.fastsim import CompiledSchedule
 from lightning_pp.planner.memory import peak_activation_bytes, rank_memory
 from lightning_pp.planner.profiler import profile_layers
+from lightning_pp.planner.search import make_candidate
 from lightning_pp.schedules import Costs, build_schedule, simulate
 from lightning_pp.topology import PipelineTopology, build_process_groups
 
@@ -100,6 +101,26 @@ def test_profiler_measures_every_layer_and_size():
     assert (first.saved_bytes, second.shared_bytes) == (256, 128)
     assert first.params == 72 and first.param_bytes == 288 and first.boundary_bytes == 128
     assert all(c.t_f > 0 and c.t_i > 0 and c.t_w > 0 for c in costs[4])
+    assert all(c.t_fused is not None and c.t_fused > 0 for c in costs[4])
+
+
+def test_fused_schedules_are_predicted_with_the_measured_fused_backward():
+    """A fused B costs what the profiler measured for it (less than I + W on real layers),
+    a split schedule's I and W what was measured for them; an old profile (no ``t_fused``)
+    falls back to I + W."""
+    from lightning_pp.planner.search import step_costs
+
+    split_cost = LayerCost(t_f=1e-3, t_i=1e-3, t_w=1e-3, t_fused=1.5e-3)
+    for layer, fused in ((split_cost, 3e-3), (dataclasses.replace(split_cost, t_fused=None), 4e-3)):
+        prof = ModelProfile({4: [layer] * 4}, overhead_s=0.0)
+        _, plan = make_candidate(prof, 2, 16, pp=2, vpp=1, microbatches=4, schedule="1f1b")
+        assert step_costs(plan, prof.layers(4), None, prof).overrides[(1, 0)][1] == pytest.approx(
+            fused
+        )
+        _, zb = make_candidate(prof, 2, 16, pp=2, vpp=1, microbatches=4, schedule="zb-h1")
+        f, b, i, w = step_costs(zb, prof.layers(4), None, prof).overrides[(1, 0)]
+        assert (i, w) == pytest.approx((2e-3, 2e-3))
+    assert split_cost.scaled(2).t_fused == pytest.approx(3e-3)
 
 
 # ---- search -------------------------------------------------------------------------------------

@@ -52,7 +52,9 @@ class LayerCost:
     """One pipeline layer on one microbatch: seconds and bytes.
 
     ``t_f`` forward; ``t_i`` backward to the layer's input only (the engine's ``I``); ``t_w``
-    the weight gradients (``W``), so that ``t_i + t_w`` is a fused backward. ``saved_bytes``:
+    the weight gradients (``W``); ``t_fused`` one fused backward (``B``), measured, since a
+    split backward costs more than a fused one (``None``, a profile from before it was
+    measured: ``t_i + t_w``). ``saved_bytes``:
     what autograd saves for the layer's backward (as the engine's saved-bytes meter counts it:
     parameters excluded); ``shared_bytes``: the part of it that the previous layer saves too
     (e.g. a tensor both keep), counted once when both layers sit in one chunk.
@@ -91,11 +93,12 @@ class LayerCost:
     w_shared_bytes: int | None = None
     input_w_saved_bytes: int | None = None
     input_self_w_saved_bytes: int | None = None
+    t_fused: float | None = None
 
     @property
     def t_b(self) -> float:
-        """Fused backward: ``t_i + t_w``."""
-        return self.t_i + self.t_w
+        """Fused backward: ``t_fused`` where measured, else ``t_i + t_w``."""
+        return self.t_i + self.t_w if self.t_fused is None else self.t_fused
 
     def scaled(self, factor: float) -> LayerCost:
         """Activation costs (times, saved/boundary/input bytes) times ``factor``; parameters
@@ -105,6 +108,7 @@ class LayerCost:
             t_f=self.t_f * factor,
             t_i=self.t_i * factor,
             t_w=self.t_w * factor,
+            t_fused=None if self.t_fused is None else self.t_fused * factor,
             saved_bytes=round(self.saved_bytes * factor),
             boundary_bytes=round(self.boundary_bytes * factor),
             input_bytes=round(self.input_bytes * factor),

@@ -3,7 +3,8 @@
 Per layer and microbatch size: forward time, the engine's ``I`` (input gradient) and ``W``
 (weight gradients) times, measured with the engine's own split backward
 (:func:`~lightning_pp.split_backward.backward_input`, then :meth:`WeightWork.run
-<lightning_pp.split_backward.WeightWork.run>`), so the profile times what the engine runs; the
+<lightning_pp.split_backward.WeightWork.run>`), so the profile times what the engine runs, and
+one fused backward (``B``; the fused schedules run it, and it costs less than ``I`` + ``W``); the
 bytes autograd saves (the engine's saved-bytes meter's rule, through
 :func:`~lightning_pp.recompute_plan.measure_chunk`); parameter, input and output bytes. Each
 time is the fastest of ``repeats`` runs after one warm-up (see :func:`_time_layer` for why not
@@ -41,7 +42,7 @@ from torch import nn
 
 from ..partition import PipelineChunk
 from ..recompute_plan import measure_chunk
-from ..split_backward import backward_input
+from ..split_backward import backward_input, fused_backward
 from .profile import LayerCost, ModelProfile
 
 __all__ = [
@@ -179,14 +180,15 @@ def _kept_for_w_per_layer(
 
 def _time_layer(
     layer: nn.Module, x: Any, repeats: int, clock: Callable[[], float] = time.perf_counter
-) -> tuple[float, float, float, Any]:
-    """Fastest (t_f, t_i, t_w) over ``repeats`` after one warm-up; and one output.
+) -> tuple[float, float, float, float, Any]:
+    """Fastest (t_f, t_i, t_w, t_fused) over ``repeats`` after one warm-up; and one output.
+    ``t_fused``: a second forward, then one fused backward, timed (the backward alone).
 
     The minimum, not the median: on a shared machine the noise is one-sided (another process
     takes the core, a layer never runs faster than its work), and a median of three is still
     the stalled value when two of the three runs were preempted, as measured at ``nice 19``
     next to a busy process (a 20x outlier at one size, the sizes around it normal)."""
-    runs: list[tuple[float, float, float]] = []
+    runs: list[tuple[float, float, float, float]] = []
     out: Any = None
     for r in range(repeats + 1):
         inp = _fresh(x)
@@ -201,12 +203,18 @@ def _time_layer(
         t3 = clock()
         work.run()
         t4 = clock()
+        inp = _fresh(x)
+        with torch.enable_grad():
+            again = [t for t in _tensors(layer(inp)) if t.requires_grad]
+        t5 = clock()
+        fused_backward(again, [torch.ones_like(t) for t in again])
+        t6 = clock()
         for p in layer.parameters():
             p.grad = None
         if r:  # the first run warms caches and allocator: not timed
-            runs.append((t1 - t0, t3 - t2, t4 - t3))
-    t_f, t_i, t_w = (min(col) for col in zip(*runs))
-    return t_f, t_i, t_w, out
+            runs.append((t1 - t0, t3 - t2, t4 - t3, t6 - t5))
+    t_f, t_i, t_w, t_fused = (min(col) for col in zip(*runs))
+    return t_f, t_i, t_w, t_fused, out
 
 
 def profile_layers(
@@ -235,12 +243,13 @@ def profile_layers(
         storages = _saved_per_layer(layers, x)
         costs = []
         for i, layer in enumerate(layers):
-            t_f, t_i, t_w, y = _time_layer(layer, x, repeats, clock)
+            t_f, t_i, t_w, t_fused, y = _time_layer(layer, x, repeats, clock)
             costs.append(
                 LayerCost(
                     t_f=t_f,
                     t_i=t_i,
                     t_w=t_w,
+                    t_fused=t_fused,
                     **storages[i],
                     params=sum(p.numel() for p in layer.parameters()),
                     param_bytes=sum(p.numel() * p.element_size() for p in layer.parameters()),
@@ -325,7 +334,7 @@ def config_hash(cfg: Any, threads: int = 0) -> str:
             "accelerator": (cfg.get("trainer") or {}).get("accelerator"),
             "threads": threads,
             # 2: per-layer bytes kept from I to W (LayerCost.w_*); older caches lack them
-            "profile_format": 2,
+            "profile_format": 3,  # 3: t_fused measured
         },
         sort_keys=True,
         default=str,

@@ -266,9 +266,10 @@ def step_costs(
             t_f = k * sum(x.t_f for x in chunk)
             t_i = k * sum(x.t_i for x in chunk)
             t_w = k * sum(x.t_w for x in chunk)
+            t_b = k * sum(x.t_b for x in chunk)  # fused: cheaper than t_i + t_w
             if split and schedule.stage(r, c) == 0:
                 t_i, t_w = 0.0, t_i + t_w  # no input gradient: W runs the whole backward
-            overrides[(r, c)] = (t_f + oh, t_i + t_w + oh, t_i + oh, t_w + oh)
+            overrides[(r, c)] = (t_f + oh, t_b + oh, t_i + oh, t_w + oh)
             if recompute == "full":
                 extra[(r, c)] = t_f
     latency = 0.0
