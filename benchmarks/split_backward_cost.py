@@ -4,7 +4,7 @@ Issue 14's acceptance: on the transformer workload, ``t_i + t_w <= 1.10 * t_b`` 
 stage and microbatch. The pipeline benchmark measures it too, but with every rank sharing the
 cores; here one process measures the middle stage of the ``transformer`` workload (two
 :class:`~benchmarks.workloads.Block` layers, input that requires grad) three ways, interleaved
-round by round so drift and contention hit all of them alike:
+round by round in a random order, so drift and contention hit all of them alike:
 
 * ``fused``: a plain forward, then one fused backward (what 1f1b's ``B`` runs);
 * ``split``: a plain forward, then :func:`~lightning_pp.split_backward.backward_input` and
@@ -18,20 +18,29 @@ thread's CPU time: a busy machine stretches the wall figure, much less the CPU o
 runs on one thread, as every pipeline rank of the benchmarks does (``harness.py``).
 
 Reported: the median of each phase over ``--iters`` rounds, ``(t_i + t_w) / t_b`` (ratio of
-medians, and the median of the per-round ratio), and a breakdown of ``I`` (graph analysis,
+medians, the median of the per-round ratio, and the ratio of 10th percentiles: load only adds
+time, so the low end is the least disturbed figure), and a breakdown of ``I`` (graph analysis,
 engine call, ``nodes()`` + trim) and of ``W`` (each engine call, the Python around them),
 taken by wrapping the module's functions (so it follows whatever ``split_backward`` does).
 
 Usage:
     nice -n 19 python benchmarks/split_backward_cost.py [--iters 200] [--dim 128 --heads 4
-        --seq 64 --mb 4 --layers 2] [--threads 1] [--json FILE]
+        --seq 64 --mb 4 --layers 2] [--threads 1] [--json FILE] [--baseline FILE]
+
+``--baseline``: another ``split_backward.py`` measured in the same rounds (``split-base``,
+``engine-base``), the fair before/after on a machine whose load drifts::
+
+    git show caffe28:lightning_pp/split_backward.py > /tmp/split_backward_base.py
+    nice -n 19 python benchmarks/split_backward_cost.py --baseline /tmp/split_backward_base.py
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
+import random
 import statistics
 import sys
 import time
@@ -93,11 +102,28 @@ def _wrap(module: Any, name: str, label: Callable[[], str]) -> None:
     setattr(module, name, timed)
 
 
-def instrument() -> None:
-    """Wrap the split backward's internals, so the breakdown follows the implementation."""
+def instrument(module: Any) -> None:
+    """Wrap a split backward module's internals, so the breakdown follows its implementation."""
     for name in ("_walk", "_intermediates", "_group", "_scan", "_analyse"):
-        _wrap(sb, name, lambda name=name: f"I.{name}")  # type: ignore[misc]
-    _wrap(sb, "_run_backward", lambda: f"{_context[0]}.engine")
+        _wrap(module, name, lambda name=name: f"I.{name}")  # type: ignore[misc]
+    _wrap(module, "_run_backward", lambda: f"{_context[0]}.engine")
+
+
+def load_baseline(path: str) -> Any:
+    """Another version of ``split_backward.py`` (e.g. ``git show REV:lightning_pp/...``), as
+    its own module: measured in the same rounds as the current one, so the machine's load
+    weighs on both alike."""
+    spec = importlib.util.spec_from_file_location("split_backward_baseline", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def _quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def build(layers: int, dim: int, heads: int, seed: int) -> nn.Module:
@@ -105,12 +131,14 @@ def build(layers: int, dim: int, heads: int, seed: int) -> nn.Module:
     return nn.Sequential(*[Block(dim, heads) for _ in range(layers)])
 
 
-def one_round(stage: nn.Module, x0: torch.Tensor, dy: torch.Tensor, mode: str) -> None:
+def one_round(
+    stage: nn.Module, x0: torch.Tensor, dy: torch.Tensor, mode: str, impl: Any = sb
+) -> None:
     """One forward + backward in ``mode``; phases land in ``CLOCK``."""
     x = x0.detach().requires_grad_(True)
     kept = None
     with CLOCK.phase("F"):
-        if mode == "engine":
+        if mode.startswith("engine"):
             kept = SavedForW()
             with kept.hooks():
                 y = stage(x)
@@ -127,7 +155,7 @@ def one_round(stage: nn.Module, x0: torch.Tensor, dy: torch.Tensor, mode: str) -
         return
     _context[0] = "I"
     with CLOCK.phase("I"):
-        dx, work = sb.backward_input((y,), (dy,), (x,))
+        dx, work = impl.backward_input((y,), (dy,), (x,))
         del y  # the graph lives on in `work` until W
         if kept is not None:
             with CLOCK.phase("I.nodes"):
@@ -154,24 +182,38 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--json", help="write the figures to this file")
+    ap.add_argument(
+        "--baseline",
+        help="another split_backward.py to measure in the same rounds (modes split-base, "
+        "engine-base), e.g. from `git show caffe28:lightning_pp/split_backward.py`",
+    )
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    instrument()
+    instrument(sb)
+    impls: dict[str, Any] = {"fused": sb, "split": sb, "engine": sb}
+    if args.baseline:
+        base = load_baseline(args.baseline)
+        instrument(base)
+        impls.update({"split-base": base, "engine-base": base})
     stage = build(args.layers, args.dim, args.heads, args.seed)
     g = torch.Generator().manual_seed(args.seed)
     x0 = torch.randn(args.mb, args.seq, args.dim, generator=g)
     dy = torch.randn(args.mb, args.seq, args.dim, generator=g)
-    modes = ("fused", "split", "engine")
+    modes = tuple(impls)
+    rng = random.Random(args.seed)
     # samples[mode][clock][phase] -> per-round values
     samples: dict[str, dict[str, dict[str, list[float]]]] = {
         m: {"wall": defaultdict(list), "cpu": defaultdict(list)} for m in modes
     }
     calls: dict[str, dict[str, int]] = {}
     for it in range(args.warmup + args.iters):
-        order = modes[it % 3 :] + modes[: it % 3]
+        # a fresh random order each round: no mode always follows the same one (what ran just
+        # before leaves caches and the allocator in its own state)
+        order = list(modes)
+        rng.shuffle(order)
         for mode in order:
             CLOCK.reset()
-            one_round(stage, x0, dy, mode)
+            one_round(stage, x0, dy, mode, impls[mode])
             for p in stage.parameters():
                 p.grad = None
             if it < args.warmup:
@@ -192,7 +234,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for clock in ("wall", "cpu"):
         tb = med["fused"][clock]["B"]
         print(f"\n[{clock}]  fused: F {med['fused'][clock]['F']:.3f}  B {tb:.3f}")
-        for mode in ("split", "engine"):
+        for mode in modes[1:]:
             m = med[mode][clock]
             per_round = statistics.median(
                 (i + w) / b
@@ -203,10 +245,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 )
             )
             ratio = (m["I"] + m["W"]) / tb
-            out["ratio"][f"{mode}.{clock}"] = {"of_medians": ratio, "per_round": per_round}
+            # the 10th percentiles: a loaded machine only ever adds time, so the low end of
+            # each distribution is the least disturbed estimate of its cost
+            p10 = (
+                _quantile(samples[mode][clock]["I"], 0.1)
+                + _quantile(samples[mode][clock]["W"], 0.1)
+            ) / _quantile(samples["fused"][clock]["B"], 0.1)
+            out["ratio"][f"{mode}.{clock}"] = {
+                "of_medians": ratio,
+                "per_round": per_round,
+                "of_p10": p10,
+            }
             print(
-                f"  {mode:6s}: F {m['F']:.3f}  I {m['I']:.3f}  W {m['W']:.3f}  "
-                f"(I+W)/B = {ratio:.3f} (per-round median {per_round:.3f})"
+                f"  {mode:11s}: F {m['F']:.3f}  I {m['I']:.3f}  W {m['W']:.3f}  "
+                f"(I+W)/B = {ratio:.3f} (per-round median {per_round:.3f}, of p10s {p10:.3f})"
             )
             for phase in sorted(m):
                 if "." in phase:

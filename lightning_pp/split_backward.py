@@ -87,6 +87,9 @@ class _Group:
     grads: list[list[torch.Tensor | None]] = field(default_factory=list)
     weights: list[torch.Tensor] = field(default_factory=list)
     accumulators: list[Node] = field(default_factory=list)
+    # whether W's call for this group must retain the graph: some node it runs runs in another
+    # group's call too (a weight used twice, with another layer between its uses)
+    retain: bool = True
 
 
 @dataclass
@@ -115,10 +118,24 @@ class WeightWork:
         return {nodes[p] for p in self.run_positions}
 
     def run(self) -> None:
-        """Accumulate the weight gradients into ``.grad``, then drop the graph."""
+        """Accumulate the weight gradients into ``.grad``, then drop the graph.
+
+        A group's engine call frees what its nodes saved as they run (as a fused backward
+        does) unless one of them runs in another group's call too (``_Group.retain``).
+        """
         groups, self.groups = self.groups, []
         self.graph_nodes = None
         for group in groups:
+            if len(group.roots) == 1 and len(group.grads[0]) == 1:
+                # the common case (a Linear's or a norm's node): one root, one gradient, no
+                # clamp to install
+                g = group.grads[0][0]
+                if g is not None:
+                    edge = GradientEdge(group.roots[0], 0)
+                    _run_backward(
+                        (edge,), (g,), group.retain, False, tuple(group.weights), True, True
+                    )
+                continue
             edges, grads = [], []
             for node, node_grads in zip(group.roots, group.grads):
                 for i, g in enumerate(node_grads):
@@ -136,7 +153,13 @@ class WeightWork:
                     handles.append(node.register_prehook(lambda _g, kept=kept: kept))
             try:
                 _run_backward(
-                    tuple(edges), tuple(grads), True, False, tuple(group.weights), True, True
+                    tuple(edges),
+                    tuple(grads),
+                    group.retain,
+                    False,
+                    tuple(group.weights),
+                    True,
+                    True,
                 )
             finally:
                 for h in handles:
@@ -189,19 +212,18 @@ def _scan(
             index[n] = len(nodes)
             nodes.append(n)
     kids: list[tuple[int, ...]] = []
-    i = 0
-    while i < len(nodes):
+    get, append = index.get, nodes.append
+    for node in nodes:  # breadth-first: the loop reaches the nodes appended below
         ks = []
-        for child, _ in nodes[i].next_functions:
+        for child, _ in node.next_functions:
             if child is None:
                 continue
-            j = index.get(child)
+            j = get(child)
             if j is None:
                 j = index[child] = len(nodes)
-                nodes.append(child)
+                append(child)
             ks.append(j)
         kids.append(tuple(ks))
-        i += 1
     roots = tuple(-1 if n is None else index[n] for n in root_nodes)
     types = tuple(map(type, nodes))
     leaves = {id(t) for t in inputs if t.grad_fn is None}
@@ -223,6 +245,7 @@ class _Plan:
     input path that lead to weights (``W`` starts there with the caller's gradient).
     ``groups``: ``(root positions, weight accumulator positions)`` per set of roots that share
     weights. ``run``: the nodes ``W``'s engine calls execute when every root has a gradient.
+    ``retain``: per group, whether a node its call runs runs in another group's call too.
     """
 
     reason: str = ""
@@ -231,6 +254,7 @@ class _Plan:
     direct: frozenset[int] = frozenset()
     groups: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...] = ()
     run: tuple[int, ...] = ()
+    retain: tuple[bool, ...] = ()
 
 
 _PLANS: dict[_Signature, _Plan] = {}
@@ -357,12 +381,16 @@ def _analyse(
         for r in group_roots:
             frm[r] |= 1 << g
     run: list[int] = []
+    shared = 0  # the groups whose call runs a node that another group's call runs too
     for i in reversed(order):
         bits = frm[i]
         if not bits:
             continue
-        if bits & to[i]:
+        calls = bits & to[i]
+        if calls:
             run.append(i)
+            if calls & (calls - 1):
+                shared |= calls
         for k in kids[i]:
             frm[k] |= bits
     return _Plan(
@@ -371,6 +399,7 @@ def _analyse(
         direct=frozenset(direct),
         groups=groups,
         run=tuple(run),
+        retain=tuple(bool(shared >> g & 1) for g in range(len(groups))),
     )
 
 
@@ -439,7 +468,7 @@ def backward_input(
 
     # -- 3. W's groups: this graph's nodes at the plan's positions -----------------------------
     groups = []
-    for rs, accs in plan.groups:
+    for (rs, accs), retain in zip(plan.groups, plan.retain):
         acc_nodes = [nodes[p] for p in accs]
         groups.append(
             _Group(
@@ -447,6 +476,7 @@ def backward_input(
                 grads=[kept.get(p, []) for p in rs],
                 weights=[acc.variable for acc in acc_nodes],  # type: ignore[attr-defined]
                 accumulators=acc_nodes,
+                retain=retain,
             )
         )
     return dx, WeightWork(groups=groups, graph_nodes=nodes, run_positions=plan.run)
