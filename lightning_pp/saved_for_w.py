@@ -87,7 +87,7 @@ def drop_unread_by_w(holders: Iterable[weakref.ReferenceType[Any]], weight_nodes
         users, held.users = held.users, []
         if held.value is None or getattr(held, "pinned", False) or not users:
             continue
-        if not any(u in ids for u in users):
+        if ids.isdisjoint(users):
             held.value = None
             dropped += 1
     return dropped

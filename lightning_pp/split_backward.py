@@ -87,6 +87,9 @@ class _Group:
     grads: list[list[torch.Tensor | None]] = field(default_factory=list)
     weights: list[torch.Tensor] = field(default_factory=list)
     accumulators: list[Node] = field(default_factory=list)
+    # whether W's call for this group must retain the graph: some node it runs runs in another
+    # group's call too (a weight used twice, with another layer between its uses)
+    retain: bool = True
 
 
 @dataclass
@@ -98,21 +101,41 @@ class WeightWork:
     groups: list[_Group] = field(default_factory=list)
     fused: bool = False
     reason: str = ""
-    graph: _Graph | None = None
+    # every node of the graph (scan order) and the positions of those W runs: the nodes are
+    # held so their ids stay unique until W (saved_for_w keys node users by id)
+    graph_nodes: list[Node] | None = None
+    run_positions: tuple[int, ...] = ()
 
     def nodes(self) -> set[Node]:
         """The nodes :meth:`run` will execute (empty once run, or with nothing to run): a
         saved tensor that only other nodes unpack can be freed now (what
-        :meth:`RecomputeOnce.trim <lightning_pp.recompute.RecomputeOnce.trim>` does)."""
-        if self.graph is None or not self.groups:
+        :meth:`RecomputeOnce.trim <lightning_pp.recompute.RecomputeOnce.trim>` does). A
+        superset where some intermediate got no gradient in ``I`` (never fewer: the trim
+        must not free what ``W`` reads)."""
+        if self.graph_nodes is None or not self.groups:
             return set()
-        return _nodes_run(self.groups, self.graph)
+        nodes = self.graph_nodes
+        return {nodes[p] for p in self.run_positions}
 
     def run(self) -> None:
-        """Accumulate the weight gradients into ``.grad``, then drop the graph."""
+        """Accumulate the weight gradients into ``.grad``, then drop the graph.
+
+        A group's engine call frees what its nodes saved as they run (as a fused backward
+        does) unless one of them runs in another group's call too (``_Group.retain``).
+        """
         groups, self.groups = self.groups, []
-        self.graph = None
+        self.graph_nodes = None
         for group in groups:
+            if len(group.roots) == 1 and len(group.grads[0]) == 1:
+                # the common case (a Linear's or a norm's node): one root, one gradient, no
+                # clamp to install
+                g = group.grads[0][0]
+                if g is not None:
+                    edge = GradientEdge(group.roots[0], 0)
+                    _run_backward(
+                        (edge,), (g,), group.retain, False, tuple(group.weights), True, True
+                    )
+                continue
             edges, grads = [], []
             for node, node_grads in zip(group.roots, group.grads):
                 for i, g in enumerate(node_grads):
@@ -130,7 +153,13 @@ class WeightWork:
                     handles.append(node.register_prehook(lambda _g, kept=kept: kept))
             try:
                 _run_backward(
-                    tuple(edges), tuple(grads), True, False, tuple(group.weights), True, True
+                    tuple(edges),
+                    tuple(grads),
+                    group.retain,
+                    False,
+                    tuple(group.weights),
+                    True,
+                    True,
                 )
             finally:
                 for h in handles:
@@ -146,64 +175,232 @@ def _node_of(t: torch.Tensor) -> Node | None:
     return torch.autograd.graph.get_gradient_edge(t).node
 
 
-@dataclass
-class _Graph:
-    """One walk over the autograd graph below a stage's outputs: ``order`` is post-order
-    (children first), ``reach_in`` / ``reach_w`` say whether a node leads to a stage input /
-    to a weight."""
+# -- the graph's shape, and its analysis cached per shape -----------------------------------------
+#
+# Every microbatch of a chunk builds a new autograd graph, but (same code, same input shapes) of
+# the same shape. The walk over it cannot be skipped (W needs this microbatch's nodes), but it
+# is all the per-microbatch Python work there is: it numbers the nodes and yields a signature
+# (every node's type, every edge, which positions are the outputs and the inputs) that
+# determines the whole analysis -- which nodes are on the input path, the intermediates, the
+# groups, the nodes W runs -- as positions. Two graphs with equal signatures get the same
+# positions, so the analysis of the first is exact for the second; a graph that differs in
+# anything the analysis reads (a branch taken differently, another sequence length that changes
+# an op, a frozen weight) has another signature and is analysed afresh. Nothing but types and
+# integers is cached (no node, no tensor).
 
-    order: list[Node]
-    children: dict[Node, tuple[Node, ...]]
-    reach_in: dict[Node, bool]
-    reach_w: dict[Node, bool]
+_Signature = tuple[tuple[type, ...], tuple[tuple[int, ...], ...], tuple[int, ...], tuple[int, ...]]
 
 
-def _walk(root_nodes: Sequence[Node | None], input_nodes: set[Node]) -> _Graph:
-    children: dict[Node, tuple[Node, ...]] = {}
-    order: list[Node] = []
-    stack: list[tuple[Node, bool]] = [(n, False) for n in root_nodes if n is not None]
+_ACCUMULATE_GRAD = type(
+    torch.autograd.graph.get_gradient_edge(torch.zeros(1, requires_grad=True)).node
+)
+
+
+def _scan(
+    root_nodes: Sequence[Node | None], inputs: Sequence[torch.Tensor]
+) -> tuple[list[Node], _Signature]:
+    """Number every node below the roots (breadth-first discovery order); return the nodes and
+    the graph's :data:`_Signature` ``(types, children, root positions, input positions)``
+    (``-1``: an output with no node). ``inputs``: the tensors that want a gradient; a leaf's
+    node is the accumulator whose ``variable`` it is (found here rather than by
+    ``get_gradient_edge``, which builds a throwaway view per call); an input not in the graph
+    is left out."""
+    index: dict[Node, int] = {}
+    nodes: list[Node] = []
+    for n in root_nodes:
+        if n is not None and n not in index:
+            index[n] = len(nodes)
+            nodes.append(n)
+    kids: list[tuple[int, ...]] = []
+    get, append = index.get, nodes.append
+    for node in nodes:  # breadth-first: the loop reaches the nodes appended below
+        ks = []
+        for child, _ in node.next_functions:
+            if child is None:
+                continue
+            j = get(child)
+            if j is None:
+                j = index[child] = len(nodes)
+                append(child)
+            ks.append(j)
+        kids.append(tuple(ks))
+    roots = tuple(-1 if n is None else index[n] for n in root_nodes)
+    types = tuple(map(type, nodes))
+    leaves = {id(t) for t in inputs if t.grad_fn is None}
+    found = {index[t.grad_fn] for t in inputs if t.grad_fn is not None and t.grad_fn in index}
+    if leaves:
+        for i, t in enumerate(types):
+            if t is _ACCUMULATE_GRAD and id(nodes[i].variable) in leaves:  # type: ignore[attr-defined]
+                found.add(i)
+    return nodes, (types, tuple(kids), roots, tuple(sorted(found)))
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """The analysis of one graph shape, in node positions (:func:`_scan`'s numbering).
+
+    ``reason``: why the backward must stay fused (empty: split). ``inter``: the intermediates
+    (on the input path, with an edge off it that leads to weights). ``in_root``: per output,
+    whether its node is on the input path (an ``I`` root). ``direct``: outputs' nodes off the
+    input path that lead to weights (``W`` starts there with the caller's gradient).
+    ``groups``: ``(root positions, weight accumulator positions)`` per set of roots that share
+    weights. ``run``: the nodes ``W``'s engine calls execute when every root has a gradient.
+    ``retain``: per group, whether a node its call runs runs in another group's call too.
+    """
+
+    reason: str = ""
+    inter: tuple[int, ...] = ()
+    in_root: tuple[bool, ...] = ()
+    direct: frozenset[int] = frozenset()
+    groups: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...] = ()
+    run: tuple[int, ...] = ()
+    retain: tuple[bool, ...] = ()
+
+
+_PLANS: dict[_Signature, _Plan] = {}
+_PLANS_MAX = 64  # shapes kept (a chunk has one per input shape; a few chunks per rank)
+
+
+def _plan_for(
+    root_nodes: Sequence[Node | None], inputs: Sequence[torch.Tensor]
+) -> tuple[list[Node], _Plan]:
+    nodes, sig = _scan(root_nodes, inputs)
+    plan = _PLANS.get(sig)
+    if plan is None:
+        plan = _analyse(*sig)
+        if len(_PLANS) >= _PLANS_MAX:
+            del _PLANS[next(iter(_PLANS))]  # the oldest
+        _PLANS[sig] = plan
+    return nodes, plan
+
+
+def _is_weight(t: type) -> bool:
+    """An ``AccumulateGrad`` (a leaf's accumulator: a weight unless it is a stage input)."""
+    return hasattr(t, "variable")
+
+
+def _analyse(
+    types: tuple[type, ...],
+    kids: tuple[tuple[int, ...], ...],
+    roots: tuple[int, ...],
+    ins: tuple[int, ...],
+) -> _Plan:
+    n = len(types)
+    # post-order (children first)
+    order: list[int] = []
+    seen = [False] * n
+    stack: list[tuple[int, bool]] = [(r, False) for r in reversed(roots) if r >= 0]
     while stack:
-        node, expanded = stack.pop()
+        i, expanded = stack.pop()
         if expanded:
-            order.append(node)
+            order.append(i)
             continue
-        if node in children:
+        if seen[i]:
             continue
-        kids = tuple(n for n, _ in node.next_functions if n is not None)
-        children[node] = kids
-        stack.append((node, True))
-        stack.extend((k, False) for k in kids if k not in children)
-    reach_in: dict[Node, bool] = {}
-    reach_w: dict[Node, bool] = {}
-    for node in order:
-        if node in reach_in:
-            continue
-        if node in input_nodes:
-            reach_in[node], reach_w[node] = True, False
-        elif not children[node] and hasattr(node, "variable"):  # AccumulateGrad of a weight
-            reach_in[node], reach_w[node] = False, True
+        seen[i] = True
+        stack.append((i, True))
+        stack.extend((k, False) for k in kids[i] if not seen[k])
+    is_in = set(ins)
+    reach_in = [False] * n
+    reach_w = [False] * n
+    for i in order:
+        if i in is_in:
+            reach_in[i] = True
+        elif not kids[i] and _is_weight(types[i]):
+            reach_w[i] = True
         else:
-            kids = children[node]
-            reach_in[node] = any(reach_in[k] for k in kids)
-            reach_w[node] = any(reach_w[k] for k in kids)
-    return _Graph(order, children, reach_in, reach_w)
+            reach_in[i] = any(reach_in[k] for k in kids[i])
+            reach_w[i] = any(reach_w[k] for k in kids[i])
 
-
-def _intermediates(graph: _Graph) -> list[Node] | str:
-    """Nodes on the input path with an edge off it that leads to weights (``W``'s roots), or
-    why the backward must stay fused (a custom Function there that is not split-safe)."""
-    inter: list[Node] = []
-    for node in graph.order:
-        if graph.reach_in[node] and any(
-            not graph.reach_in[k] and graph.reach_w[k] for k in graph.children[node]
-        ):
-            if isinstance(node, torch.autograd.function.BackwardCFunction) and not getattr(
-                getattr(node, "_forward_cls", None), SPLIT_SAFE_ATTR, False
+    inter: list[int] = []
+    for i in order:
+        if reach_in[i] and any(not reach_in[k] and reach_w[k] for k in kids[i]):
+            t = types[i]
+            if issubclass(t, torch.autograd.function.BackwardCFunction) and not getattr(
+                getattr(t, "_forward_cls", None), SPLIT_SAFE_ATTR, False
             ):
-                name = getattr(node, "_forward_cls", type(node)).__name__
-                return f"custom autograd.Function {name}"
-            inter.append(node)
-    return inter
+                return _Plan(
+                    reason=f"custom autograd.Function {getattr(t, '_forward_cls', t).__name__}"
+                )
+            inter.append(i)
+    in_root = tuple(r >= 0 and reach_in[r] for r in roots)
+    direct = [r for r in dict.fromkeys(roots) if r >= 0 and not reach_in[r] and reach_w[r]]
+    all_roots = list(dict.fromkeys([*inter, *direct]))
+
+    # -- groups: roots connected by shared weights (union-find) -------------------------------
+    parent = list(range(len(all_roots)))
+
+    def find(a: int) -> int:
+        while parent[a] != a:
+            parent[a] = parent[parent[a]]
+            a = parent[a]
+        return a
+
+    owner: dict[int, int] = {}  # weight accumulator -> a root that reaches it
+    weights_of: list[list[int]] = []
+    for a, r in enumerate(all_roots):
+        # the weights below this root's edges off the input path (a root off the input path,
+        # as on the first stage: below the root itself)
+        todo = [k for k in kids[r] if not reach_in[k] and reach_w[k]] if reach_in[r] else [r]
+        done: set[int] = set()
+        found: list[int] = []
+        while todo:
+            j = todo.pop()
+            if j in done:
+                continue
+            done.add(j)
+            if not kids[j] and _is_weight(types[j]):
+                found.append(j)
+            todo.extend(k for k in kids[j] if reach_w[k] and not reach_in[k])
+        weights_of.append(found)
+        for acc in found:
+            b = owner.setdefault(acc, a)
+            if b != a:
+                parent[find(a)] = find(b)
+    members: dict[int, tuple[list[int], list[int]]] = {}
+    for a, r in enumerate(all_roots):
+        rs, accs = members.setdefault(find(a), ([], []))
+        rs.append(r)
+        accs.extend(acc for acc in weights_of[a] if acc not in accs)
+    groups = tuple((tuple(rs), tuple(accs)) for rs, accs in members.values())
+
+    # -- the nodes W runs: in group g's call, a node a root of g reaches that reaches a weight
+    #    of g. Two linear passes with a bit per group: what each node reaches (post-order), and
+    #    which roots reach it (reverse post-order, parents first).
+    to = [0] * n
+    for g, (_, group_accs) in enumerate(groups):
+        for acc in group_accs:
+            to[acc] |= 1 << g
+    for i in order:
+        bits = to[i]
+        for k in kids[i]:
+            bits |= to[k]
+        to[i] = bits
+    frm = [0] * n
+    for g, (group_roots, _) in enumerate(groups):
+        for r in group_roots:
+            frm[r] |= 1 << g
+    run: list[int] = []
+    shared = 0  # the groups whose call runs a node that another group's call runs too
+    for i in reversed(order):
+        bits = frm[i]
+        if not bits:
+            continue
+        calls = bits & to[i]
+        if calls:
+            run.append(i)
+            if calls & (calls - 1):
+                shared |= calls
+        for k in kids[i]:
+            frm[k] |= bits
+    return _Plan(
+        inter=tuple(inter),
+        in_root=in_root,
+        direct=frozenset(direct),
+        groups=groups,
+        run=tuple(run),
+        retain=tuple(bool(shared >> g & 1) for g in range(len(groups))),
+    )
 
 
 def backward_input(
@@ -215,67 +412,83 @@ def backward_input(
     :class:`WeightWork` for ``W``. ``outputs`` are the stage outputs that take part in backward
     (or the scaled loss) and ``grads`` their gradients."""
     want = [t for t in inputs if t.requires_grad]
-    input_nodes = {n for n in map(_node_of, want) if n is not None}
     root_nodes = [_node_of(t) for t in outputs]
 
-    # -- 1. one walk: post-order over the graph below the outputs ------------------------------
-    graph = _walk(root_nodes, input_nodes)
-    reach_in = graph.reach_in
-
-    # -- 2. intermediates: on the input path, with an edge off it that leads to weights --------
-    inter = _intermediates(graph)
-    if isinstance(inter, str):
+    # -- 1. the walk (numbers this graph's nodes), and the analysis of its shape ---------------
+    nodes, plan = _plan_for(root_nodes, want)
+    if plan.reason:
         fused_backward(outputs, grads)
         dx = tuple(t.grad if t.requires_grad else None for t in inputs)
-        return dx, WeightWork(fused=True, reason=inter)
-    # Outputs off the input path that lead to weights (all of them on the first stage): W
-    # starts there, with the gradient the caller gave.
-    direct: dict[Node, list[torch.Tensor | None]] = {}
-    for t, g, node in zip(outputs, grads, root_nodes):
-        if node is not None and not reach_in[node] and graph.reach_w[node]:
-            slot = direct.setdefault(node, [None] * len(node._input_metadata))  # type: ignore[attr-defined]
-            nr = t.output_nr if t.grad_fn is not None else 0
-            slot[nr] = g if slot[nr] is None else slot[nr] + g
-    if not inter and not direct:  # no weight below: the whole backward is the input gradient
+        return dx, WeightWork(fused=True, reason=plan.reason)
+    if not plan.groups:  # no weight below: the whole backward is the input gradient
         if not want:
             return tuple(None for _ in inputs), WeightWork()
-        got = _run_backward(tuple(outputs), tuple(grads), False, False, tuple(want), True, False)
-        return _scatter(inputs, want, got), WeightWork()
+        dx = _run_backward(tuple(outputs), tuple(grads), False, False, tuple(want), True, False)
+        return _scatter(inputs, want, dx), WeightWork()
 
-    # -- 3. I: the engine from the outputs to the inputs only, keeping what flows into each
-    #       intermediate ------------------------------------------------------------------------
-    kept: dict[Node, list[torch.Tensor | None]] = {}
-
-    def keep(node: Node):
-        def hook(grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
-            kept[node] = list(grad_outputs)
-
-        return hook
-
-    handles = [n.register_prehook(keep(n)) for n in inter]
-    try:
-        in_roots = [
-            (t, g) for t, g, n in zip(outputs, grads, root_nodes) if n is not None and reach_in[n]
-        ]
-        got: tuple[torch.Tensor | None, ...] = ()
-        if want and in_roots:
-            got = _run_backward(
-                tuple(t for t, _ in in_roots),
-                tuple(g for _, g in in_roots),
-                True,  # retain: W runs the intermediates again
-                False,
-                tuple(want),
-                True,
-                False,
-            )
-    finally:
-        for h in handles:
-            h.remove()
+    # -- 2. I: the engine from the outputs to the inputs only, capturing the gradient that
+    #       flows into each intermediate (an ``inputs=`` edge: the engine keeps it, in C++,
+    #       and still runs the node for the input gradient below it) ---------------------------
+    kept: dict[int, list[torch.Tensor | None]] = {}
+    in_outs = [t for t, ok in zip(outputs, plan.in_root) if ok]
+    got: tuple[torch.Tensor | None, ...] = ()
+    if want and in_outs:
+        edges: list[GradientEdge] = []
+        spans: list[int] = []
+        for p in plan.inter:
+            node = nodes[p]
+            k = len(node._input_metadata)  # type: ignore[attr-defined]
+            edges.extend(GradientEdge(node, i) for i in range(k))
+            spans.append(k)
+        got = _run_backward(
+            tuple(in_outs),
+            tuple(g for g, ok in zip(grads, plan.in_root) if ok),
+            True,  # retain: W runs the intermediates again
+            False,
+            (*want, *edges),
+            True,
+            False,
+        )
+        a = len(want)
+        for p, k in zip(plan.inter, spans):
+            kept[p] = list(got[a : a + k])
+            a += k
+        got = got[: len(want)]
     dx = _scatter(inputs, want, got) if got else tuple(None for _ in inputs)
+    # Outputs off the input path that lead to weights (all of them on the first stage): W
+    # starts there, with the gradient the caller gave.
+    if plan.direct:
+        for t, g, r in zip(outputs, grads, _scan_roots(root_nodes, nodes)):
+            if r in plan.direct:
+                node = nodes[r]
+                slot = kept.setdefault(r, [None] * len(node._input_metadata))  # type: ignore[attr-defined]
+                nr = t.output_nr if t.grad_fn is not None else 0
+                prev = slot[nr]
+                slot[nr] = g if prev is None else prev + g
 
-    # -- 4. group the W roots by the weights they reach ----------------------------------------
-    roots = [(n, kept[n]) for n in inter if n in kept] + list(direct.items())
-    return dx, WeightWork(groups=_group(roots, graph), graph=graph)
+    # -- 3. W's groups: this graph's nodes at the plan's positions -----------------------------
+    groups = []
+    for (rs, accs), retain in zip(plan.groups, plan.retain):
+        acc_nodes = [nodes[p] for p in accs]
+        groups.append(
+            _Group(
+                roots=[nodes[p] for p in rs],
+                grads=[kept.get(p, []) for p in rs],
+                weights=[acc.variable for acc in acc_nodes],  # type: ignore[attr-defined]
+                accumulators=acc_nodes,
+                retain=retain,
+            )
+        )
+    return dx, WeightWork(groups=groups, graph_nodes=nodes, run_positions=plan.run)
+
+
+def _scan_roots(root_nodes: Sequence[Node | None], nodes: list[Node]) -> list[int]:
+    """Each output's node position (``-1``: none); the roots are numbered first."""
+    pos: dict[Node, int] = {}
+    for n in root_nodes:
+        if n is not None and n not in pos:
+            pos[n] = len(pos)
+    return [-1 if n is None else pos[n] for n in root_nodes]
 
 
 def weight_nodes(
@@ -286,45 +499,10 @@ def weight_nodes(
     ``I`` reached it: a superset of what one ``W`` runs. Used by the recompute planner's probe
     to tell, per saved tensor, whether it must outlive ``I``."""
     want = [t for t in inputs if t.requires_grad]
-    input_nodes = {n for n in map(_node_of, want) if n is not None}
-    root_nodes = [_node_of(t) for t in outputs]
-    graph = _walk(root_nodes, input_nodes)
-    inter = _intermediates(graph)
-    if isinstance(inter, str):
+    nodes, plan = _plan_for([_node_of(t) for t in outputs], want)
+    if plan.reason:
         return None
-    direct = [n for n in root_nodes if n is not None and not graph.reach_in[n] and graph.reach_w[n]]
-    roots = [(n, []) for n in dict.fromkeys([*inter, *direct])]
-    return _nodes_run(_group(roots, graph), graph)  # type: ignore[arg-type]
-
-
-def _nodes_run(groups: Sequence[_Group], graph: _Graph) -> set[Node]:
-    """The nodes the ``W`` engine calls execute: one call per group, from the group's roots to
-    its weights, so a node runs in the call of group g when a root of g reaches it and it
-    reaches a weight of g. Two linear passes with a bit per group: what each node reaches
-    (post-order), and which roots reach it (reverse post-order, parents first)."""
-    to: dict[Node, int] = {}
-    for g, group in enumerate(groups):
-        for acc in group.accumulators:
-            to[acc] = to.get(acc, 0) | (1 << g)
-    for node in graph.order:
-        bits = to.get(node, 0)
-        for k in graph.children[node]:
-            bits |= to.get(k, 0)
-        to[node] = bits
-    frm: dict[Node, int] = {}
-    for g, group in enumerate(groups):
-        for root in group.roots:
-            frm[root] = frm.get(root, 0) | (1 << g)
-    run: set[Node] = set()
-    for node in reversed(graph.order):
-        bits = frm.get(node, 0)
-        if not bits:
-            continue
-        if bits & to.get(node, 0):
-            run.add(node)
-        for k in graph.children[node]:
-            frm[k] = frm.get(k, 0) | bits
-    return run
+    return {nodes[p] for p in plan.run}
 
 
 def _scatter(
@@ -332,50 +510,3 @@ def _scatter(
 ) -> tuple[torch.Tensor | None, ...]:
     by_id = {id(t): g for t, g in zip(want, got)}
     return tuple(by_id.get(id(t)) for t in inputs)
-
-
-def _group(roots: list[tuple[Node, list[torch.Tensor | None]]], graph: _Graph) -> list[_Group]:
-    """One :class:`_Group` per set of roots connected by shared weights (union-find)."""
-    children, reach_in, reach_w = graph.children, graph.reach_in, graph.reach_w
-    parent = list(range(len(roots)))
-
-    def find(i: int) -> int:
-        while parent[i] != i:
-            parent[i] = parent[parent[i]]
-            i = parent[i]
-        return i
-
-    owner: dict[Node, int] = {}  # weight accumulator -> a root that reaches it
-    weights_of: list[list[Node]] = []
-    for i, (node, _) in enumerate(roots):
-        # the weights below this root's edges off the input path (the roots of the first stage:
-        # below the root itself)
-        seen: set[Node] = set()
-        stack = [k for k in children[node] if not reach_in[k] and reach_w[k]]
-        if not reach_in[node]:
-            stack = [node]
-        found: list[Node] = []
-        while stack:
-            n = stack.pop()
-            if n in seen:
-                continue
-            seen.add(n)
-            if not children[n] and hasattr(n, "variable"):
-                found.append(n)
-            stack.extend(k for k in children[n] if reach_w[k] and not reach_in[k])
-        weights_of.append(found)
-        for acc in found:
-            j = owner.setdefault(acc, i)
-            if j != i:
-                parent[find(i)] = find(j)
-    groups: dict[int, _Group] = {}
-    for i, (node, grads) in enumerate(roots):
-        g = groups.setdefault(find(i), _Group())
-        g.roots.append(node)
-        g.grads.append(grads)
-        for acc in weights_of[i]:
-            if all(acc is not w for w in g.accumulators):
-                g.accumulators.append(acc)
-    for g in groups.values():
-        g.weights = [acc.variable for acc in g.accumulators]  # type: ignore[attr-defined]
-    return list(groups.values())

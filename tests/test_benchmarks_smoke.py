@@ -144,3 +144,30 @@ def test_recompute_benchmark_runs_and_reports(tmp_path):
     for s in ("1f1b", "zb-h1"):
         losses = {r["losses"][-1] for r in recs if r["schedule"] == s and r.get("losses")}
         assert losses and max(losses) - min(losses) <= 1e-5 * max(losses), (s, losses)
+
+
+def test_split_backward_cost_script(tmp_path):
+    """benchmarks/split_backward_cost.py: every mode measured (the baseline here is the
+    current file), W's engine calls one per weight group (6 per block), no timing asserted.
+    A subprocess: the script wraps split_backward's functions to time them."""
+    import subprocess
+
+    out = tmp_path / "cost.json"
+    script = os.path.join(ROOT, "benchmarks", "split_backward_cost.py")
+    base = os.path.join(ROOT, "lightning_pp", "split_backward.py")
+    args = ["--iters", "3", "--warmup", "1", "--dim", "8", "--heads", "2", "--seq", "4"]
+    subprocess.run(
+        [sys.executable, script, *args, "--mb", "1", "--baseline", base, "--json", str(out)],
+        check=True,
+        timeout=120,
+        capture_output=True,
+        env={**os.environ, "PYTHONPATH": ROOT},
+    )
+    data = json.loads(out.read_text())
+    modes = ["split", "engine", "split-base", "engine-base"]
+    assert sorted(data["ratio"]) == sorted(f"{m}.{c}" for m in modes for c in ("wall", "cpu"))
+    for mode in modes:
+        assert data["calls"][mode]["W.engine"] == 12, mode
+        assert data["calls"][mode]["I.engine"] == 1, mode
+        assert all(r > 0 for r in data["ratio"][f"{mode}.cpu"].values())
+    assert data["calls"]["engine"]["I.trim"] == 1
