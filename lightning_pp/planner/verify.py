@@ -8,16 +8,17 @@ predicts), and prints predicted against measured step time and heaviest-rank act
 What one run measures (:func:`measure`): ``warmup`` steps, then ``steps`` timed ones. A step's
 time is ``max(end) - min(start)`` over every rank (ranks meet at a barrier first), from the
 start of ``train_step`` to the end of the data-parallel gradient all-reduce (the optimizer step
-is not run, and not predicted); the median is reported. The activation peak of a rank is the
-engine's saved-bytes meter (``StepRecord.peak_saved_bytes``, ``measure_memory=True``), the
-largest over the timed steps and over the rank's data-parallel replicas.
+is not run, and not predicted); the median is reported. The timed steps run without the
+saved-bytes meter, as training does; one more, untimed step runs with it: the activation peak
+of a rank is that step's ``StepRecord.peak_saved_bytes`` (``measure_memory=True``), the largest
+over the rank's data-parallel replicas.
 
 Every world runs under a deadline; on a failure or a timeout every process of the world (each
 leads its own process group) is killed, and the failure is reported for that candidate only.
 
-Calibration (:func:`fit_links`): the engine's fixed cost per action is the median, over every
-action of a run, of its measured compute (duration minus receive wait) minus what the profile
-says its layers cost; the hop latency is
+Calibration (:func:`fit_links`): a compute scale and the engine's fixed cost per action, fitted
+over every action of a run (its measured compute, duration minus receive wait, against what the
+profile says its layers cost, :func:`fit_compute`); the hop latency is
 :func:`~lightning_pp.callbacks.analysis.p2p_latency` of the same records.
 
 Example::
@@ -351,7 +352,12 @@ def _run_one(rank: int, world: int, spec: RunSpec) -> dict[str, Any]:
     times: list[float] = []
     peak = 0
     records: list[StepRecord] = []
-    for i in range(spec.warmup + spec.steps):
+    # The timed steps run as training does, without the saved-bytes meter (its Python hook on
+    # every saved tensor made a transformer's forward 10-20 % slower than trained); one more
+    # step, untimed, runs with it for the activation peak.
+    for i in range(spec.warmup + spec.steps + 1):
+        metered = i == spec.warmup + spec.steps
+        engine.measure_memory = metered
         dist.barrier()
         start = time.perf_counter()
         result = engine.train_step(spec.batch)
@@ -364,9 +370,10 @@ def _run_one(rank: int, world: int, spec: RunSpec) -> dict[str, Any]:
         # last end over every rank
         stamps = torch.tensor([-start, end], dtype=torch.float64)
         dist.all_reduce(stamps, op=dist.ReduceOp.MAX)
-        if i >= spec.warmup:
+        if metered:
+            peak = int(result.record.peak_saved_bytes)
+        elif i >= spec.warmup:
             times.append(float(stamps[1] + stamps[0]))
-            peak = max(peak, int(result.record.peak_saved_bytes))
             if spec.keep_records and topo.dp_rank == 0:
                 records.append(result.record)
     return {"pp_rank": topo.pp_rank, "times": times, "peak": peak, "records": records}
