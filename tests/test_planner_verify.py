@@ -194,10 +194,14 @@ def test_cli_verify_one_candidate_on_two_processes(tmp_path, capsys):
     from lightning_pp.cli import main
 
     args = [*_tiny_args(tmp_path), "--verify", "1", "--verify-steps", "1", "--verify-warmup", "1"]
-    args += ["--verify-timeout", "120"]
+    args += ["--verify-timeout", "120", "--calibrate"]
     assert main(args) == 0, capsys.readouterr().err
     out, err = capsys.readouterr()
     assert "verify: " in out and "FAILED" not in out, out + err
+    # the calibration run fitted the engine numbers and timed the link between the two ranks
+    cal = next(line for line in (out + err).splitlines() if "calibrate: engine overhead" in line)
+    bandwidth = float(cal.split("bandwidth ")[1].split(" GB/s")[0])
+    assert bandwidth > 0 and "4 MiB ping-pong" in cal, cal
     lines = out.splitlines()
     head = next(i for i, line in enumerate(lines) if "measured ms" in line and "pred act" in line)
     rows = [line for line in lines[head + 2 :] if line.startswith(("#1", "config"))]

@@ -15,6 +15,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import os
 import statistics
@@ -97,6 +98,7 @@ def _spec(cfg: RunConfig, batch: Any, cand: Any, args: argparse.Namespace, recor
         warmup=args.verify_warmup,
         steps=args.verify_steps,
         keep_records=records,
+        probe_links=records,  # the calibration run also times the link (bandwidth)
     )
 
 
@@ -156,10 +158,18 @@ def calibrate(
         return {Op.F: f, Op.B: b, Op.I: i, Op.W: w}[op] + again
 
     cal = fit_links(got.records, nominal)
+    if got.link is not None:
+        cal = dataclasses.replace(cal, bandwidth=got.link[1])
+    link = (
+        f", bandwidth {cal.bandwidth / 1e9:.2f} GB/s (4 MiB ping-pong between pipeline ranks "
+        f"0 and 1)"
+        if cal.bandwidth
+        else ""
+    )
     msg = (
         f"calibrate: engine overhead {cal.overhead_s * 1e3:.2f} ms per action and layers "
         f"{cal.compute_scale:.2f}x their profiled time (fitted over {cal.actions} actions), hop "
-        f"latency {cal.latency_s * 1e6:.0f} us ({cal.hops} hops), "
+        f"latency {cal.latency_s * 1e6:.0f} us ({cal.hops} hops){link}, "
         f"from {len(got.steps_s)} steps of {_short(cand)} ({got.seconds:.1f} s)"
     )
     return cal, got, msg

@@ -269,6 +269,8 @@ class RunSpec:
     warmup: int = 2
     steps: int = 3
     keep_records: bool = False
+    #: after the steps, time messages between pipeline ranks 0 and 1 (see :func:`probe_link`)
+    probe_links: bool = False
 
     @classmethod
     def for_candidate(
@@ -280,6 +282,7 @@ class RunSpec:
         warmup: int,
         steps: int,
         keep_records: bool = False,
+        probe_links: bool = False,
     ) -> RunSpec:
         """The run of a search candidate (:class:`~lightning_pp.planner.search.Candidate`):
         its shape, split and recompute setting, on ``batch`` resized to its batch size."""
@@ -295,6 +298,7 @@ class RunSpec:
             warmup=warmup,
             steps=steps,
             keep_records=keep_records,
+            probe_links=probe_links,
         )
 
 
@@ -309,6 +313,8 @@ class Measured:
     peak_saved: list[int]
     records: list[list[StepRecord]] = field(default_factory=list)
     seconds: float = 0.0
+    #: ``(latency_s, bytes_per_s)`` between pipeline ranks 0 and 1 (``RunSpec.probe_links``)
+    link: tuple[float, float] | None = None
 
 
 def _run_worker(rank: int, world: int, specs: Sequence[RunSpec]) -> list[dict[str, Any]]:
@@ -376,7 +382,50 @@ def _run_one(rank: int, world: int, spec: RunSpec) -> dict[str, Any]:
             times.append(float(stamps[1] + stamps[0]))
             if spec.keep_records and topo.dp_rank == 0:
                 records.append(result.record)
-    return {"pp_rank": topo.pp_rank, "times": times, "peak": peak, "records": records}
+    link = None
+    if spec.probe_links and topo.pp > 1 and topo.pp_rank < 2:
+        peer = topo.next_rank if topo.pp_rank == 0 else topo.prev_rank
+        link = probe_link(peer, first=topo.pp_rank == 0, group=groups.pp_group)
+    return {
+        "pp_rank": topo.pp_rank,
+        "times": times,
+        "peak": peak,
+        "records": records,
+        "link": link,
+    }
+
+
+#: probe message sizes (float32 elements): small for the latency, large for the bandwidth
+_PROBE_SMALL, _PROBE_LARGE = 256, 1 << 20
+
+
+def probe_link(
+    peer: int, *, first: bool, group: Any = None, rounds: int = 10
+) -> tuple[float, float] | None:
+    """``(latency_s, bytes_per_s)`` of the link to global rank ``peer``: ``rounds`` ping-pongs
+    of a 1 KiB and of a 4 MiB tensor (after one of each, untimed); one way is half the median
+    round trip, the latency the small message's one way, the bandwidth the extra bytes over the
+    extra time of the large one (``None`` where the large one was not slower). ``first``: this
+    side sends first. Both sides must call it."""
+    times = {}
+    for n in (_PROBE_SMALL, _PROBE_LARGE):
+        buf = torch.zeros(n)
+        rtts = []
+        for r in range(rounds + 1):
+            t0 = time.perf_counter()
+            if first:
+                dist.send(buf, peer, group=group)
+                dist.recv(buf, peer, group=group)
+            else:
+                dist.recv(buf, peer, group=group)
+                dist.send(buf, peer, group=group)
+            if r:
+                rtts.append(time.perf_counter() - t0)
+        times[n] = statistics.median(rtts) / 2
+    extra = times[_PROBE_LARGE] - times[_PROBE_SMALL]
+    if extra <= 0:
+        return None
+    return times[_PROBE_SMALL], (_PROBE_LARGE - _PROBE_SMALL) * 4 / extra
 
 
 def _combine(spec: RunSpec, out: Sequence[dict[str, Any]], seconds: float) -> Measured:
@@ -388,7 +437,12 @@ def _combine(spec: RunSpec, out: Sequence[dict[str, Any]], seconds: float) -> Me
             records[r["pp_rank"]] = r["records"]
     times = out[0]["times"]
     return Measured(
-        statistics.median(times), times, peaks, records if spec.keep_records else [], seconds
+        statistics.median(times),
+        times,
+        peaks,
+        records if spec.keep_records else [],
+        seconds,
+        link=out[0].get("link"),
     )
 
 
@@ -431,6 +485,8 @@ class Calibration:
     actions: int
     hops: int
     compute_scale: float = 1.0
+    #: bytes per second between pipeline neighbours, where the run timed it (``None``: not)
+    bandwidth: float | None = None
 
 
 #: the fitted slope is trusted within these bounds; outside them (or without spread in the
