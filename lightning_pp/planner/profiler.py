@@ -100,11 +100,17 @@ def _saved_per_layer(layers: Sequence[nn.Module], x: Any) -> tuple[list[int], li
     of the whole stack, keyed as the engine's meter keys storages (parameters excluded, a
     storage counted once per layer)."""
     params = {p.untyped_storage().data_ptr() for m in layers for p in m.parameters()}
+    # Every storage keyed here stays allocated until the end: the split pass measures one layer
+    # at a time and frees its graph, and a later layer's tensor at a freed address would count
+    # as shared with the layer before it (w_shared_bytes came out 0, 768 or 1536 bytes on the
+    # same layer from one run to the next, and the memory test failed on it now and then).
+    alive: list[Any] = []
 
     def key(t: torch.Tensor) -> tuple[Any, int] | None:
         st = t.untyped_storage()
         if st.data_ptr() in params:
             return None
+        alive.append(st)
         return st.data_ptr(), st.nbytes()
 
     inputs: list[Any] = []
@@ -169,8 +175,10 @@ def _kept_for_w_per_layer(
         return a
 
     cur = inputs[1] if len(inputs) > 1 else None
+    fed: list[Any] = []  # every layer's input stays allocated (its key must stay unique)
     for layer in layers[1:]:
         x = detached(cur)
+        fed.append(x)
         with torch.enable_grad():
             cur, (probe,) = measure_chunk(PipelineChunk([layer]), (x,), key, split=True)
         w_keys.append(dict(probe.kept_for_w))
