@@ -10,6 +10,7 @@ import copy
 
 import pytest
 import torch
+from test_split_backward import Block
 from torch import nn
 
 from lightning_pp import split_backward as sb
@@ -100,21 +101,6 @@ def test_frozen_weight_and_first_stage_change_the_shape():
     _split_vs_fused(model, torch.randn(4, 8), x_grad=False)  # the first stage: no input path
     _split_vs_fused(model, torch.randn(4, 8))
     assert len(sb._PLANS) == 3
-
-
-class Block(nn.Module):
-    """Pre-norm transformer block (attention + MLP)."""
-
-    def __init__(self, dim: int = 16, heads: int = 2) -> None:
-        super().__init__()
-        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.att = nn.MultiheadAttention(dim, heads, batch_first=True)
-        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
-
-    def forward(self, x):
-        a = self.ln1(x)
-        x = x + self.att(a, a, a, need_weights=False)[0]
-        return x + self.mlp(self.ln2(x))
 
 
 def test_transformer_microbatches_of_varying_sequence_length():
