@@ -20,7 +20,7 @@ differ. Every (pp, schedule) group runs in its own spawned world
 Predictions: the layer costs are the virtual device's nominal ones; the saved bytes are
 measured by the planner's profiler on the same layers; the per-action overhead and the hop
 latency are calibrated first from one run (pp=2, 1f1b, m=4) with
-:func:`lightning_pp.planner.verify.fit_links`. The table also gives the error with the planner's
+:func:`lightning_pp.planner.verify.calibrate_from_run`. The table also gives the error with the planner's
 uncalibrated defaults (1 ms, 200 us).
 
 Reports: median and worst |error| of the step time and of every rank's activation peak;
@@ -58,11 +58,10 @@ from lightning_pp.planner.verify import (
     BuiltModel,
     RunSpec,
     WorldFailure,
-    fit_links,
+    calibrate_from_run,
     measure_many,
     pct_error,
 )
-from lightning_pp.schedules import Op
 
 WIDTH = 64
 GLOBAL_BATCH = 16
@@ -215,26 +214,13 @@ def spec_of(setup: Setup, cand: Any, records: bool = False) -> RunSpec:
 
 
 def calibrate(setup: Setup, profile: ModelProfile, timeout: float) -> dict[str, Any]:
-    from lightning_pp.planner.search import step_costs
-
     pp, name, m = setup.calibration
     cand, plan = make_candidate(
         profile, setup.world, GLOBAL_BATCH, pp=pp, vpp=1, microbatches=m, schedule=name
     )
     t0 = time.perf_counter()
     got = measure_many([spec_of(setup, cand, records=True)], setup.world, timeout=timeout)[0]
-    bare = step_costs(
-        plan,
-        profile.layers(cand.microbatch_size),
-        None,
-        profile.with_links(overhead_s=0.0, compute_scale=1.0),
-    )
-
-    def nominal(rank: int, chunk: int, op: Op) -> float:
-        f, b, i, w = bare.overrides[(rank, chunk)]
-        return {Op.F: f, Op.B: b, Op.I: i, Op.W: w}[op]
-
-    cal = fit_links(got.records, nominal)
+    cal = calibrate_from_run(got, plan, profile.layers(cand.microbatch_size), None, profile)
     return {
         "overhead_s": cal.overhead_s,
         "compute_scale": cal.compute_scale,

@@ -294,18 +294,16 @@ class _Op(NamedTuple):
 
 
 class _OpBatch:
-    """One ``batch_isend_irecv`` call being built: its ops and, per op, the list its work goes
-    to (a :class:`PendingSend`'s, or a receive's header or data works)."""
+    """One batch of posts being built (:meth:`P2PCommunicator._post`): its ops and, per op,
+    the list its work goes to (a :class:`PendingSend`'s, or a receive's header or data works)."""
 
     def __init__(self, group: dist.ProcessGroup | None) -> None:
         self.group = group
         self.ops: list[_Op] = []
         self._sinks: list[list[Work]] = []
 
-    def add(
-        self, op: Callable, tensor: torch.Tensor, peer: int, tag: int, sink: list[Work]
-    ) -> None:
-        self.ops.append(_Op(op is dist.isend, tensor, peer, tag))
+    def add(self, send: bool, tensor: torch.Tensor, peer: int, tag: int, sink: list[Work]) -> None:
+        self.ops.append(_Op(send, tensor, peer, tag))
         self._sinks.append(sink)
 
     def assign(self, works: list[Work]) -> None:
@@ -585,7 +583,8 @@ class P2PCommunicator:
     def exchange(
         self, sends: Sequence[Message], recvs: Sequence[RecvRequest]
     ) -> tuple[PendingSend, list[PendingRecv]]:
-        """Post ``sends`` and ``recvs`` together in one ``batch_isend_irecv``.
+        """Post ``sends``, then ``recvs``, as one batch (:meth:`_post`: ``batch_isend_irecv``,
+        or each op straight on a gloo group).
 
         Returns the pending sends (wait or poll before reusing their buffers; they keep them
         alive) and one :class:`PendingRecv` per request, in order. Nothing here blocks.
@@ -634,11 +633,11 @@ class P2PCommunicator:
         if self._header_needed(msg, tensors):
             header = self._encode(msg)
             sent.buffers.append(header)
-            batch.add(dist.isend, header, msg.peer, self.tag(msg.kind, msg.stage, True), sent.works)
+            batch.add(True, header, msg.peer, self.tag(msg.kind, msg.stage, True), sent.works)
         tag = self.tag(msg.kind, msg.stage, False)
         for t in tensors:
             sent.buffers.append(t)
-            batch.add(dist.isend, t, msg.peer, tag, sent.works)
+            batch.add(True, t, msg.peer, tag, sent.works)
 
     def _header_needed(self, msg: Message, tensors: tuple[torch.Tensor, ...]) -> bool:
         """Activations carry a header, except under static shapes once agreed (then checked)."""
@@ -674,7 +673,7 @@ class P2PCommunicator:
                 if self._mark_landing:
                     pending.header_mark = _arm(pending.header)
                 tag = self.tag(req.kind, req.stage, True)
-                batch.add(dist.irecv, pending.header, req.peer, tag, pending.header_works)
+                batch.add(False, pending.header, req.peer, tag, pending.header_works)
                 return pending
             pending.is_tuple, specs = agreed
         if specs is None:
@@ -682,7 +681,7 @@ class P2PCommunicator:
         pending.buffers, pending.marks = self._recv_buffers(specs)
         tag = self.tag(req.kind, req.stage, False)
         for b in pending.buffers:
-            batch.add(dist.irecv, b, req.peer, tag, pending.works)
+            batch.add(False, b, req.peer, tag, pending.works)
         return pending
 
     def _check_static(

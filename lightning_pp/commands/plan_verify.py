@@ -15,7 +15,6 @@ Example::
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import os
 import statistics
@@ -131,12 +130,12 @@ def _run(
 def calibrate(
     cfg: RunConfig, profile: Any, shape: ConfigShape, args: argparse.Namespace, world: int
 ) -> tuple[Any, Any, Any]:
-    """Run the config's shape once, fit overhead and latency from its records.
+    """Run the config's shape once; fit compute scale, overhead and latency from its records
+    and take the bandwidth its link probe timed (:func:`~lightning_pp.planner.verify.
+    calibrate_from_run`).
 
     Returns (Calibration or None, the run's Measured or None, the message to print)."""
-    from lightning_pp.planner.search import step_costs
-    from lightning_pp.planner.verify import fit_links
-    from lightning_pp.schedules import Op
+    from lightning_pp.planner.verify import calibrate_from_run
 
     if shape.candidate is None:
         return None, None, f"calibrate: skipped ({shape.error})"
@@ -146,20 +145,9 @@ def calibrate(
     got, error = _run(cfg, batch, cand, args, world, records=True)
     if got is None:
         return None, None, f"calibrate: the run failed: {error.strip().splitlines()[-1]}"
-    bare = step_costs(
-        plan, profile.layers(cand.microbatch_size), cand.recompute, profile.with_links(
-            overhead_s=0.0, compute_scale=1.0
-        ),
-    )  # fmt: skip
-
-    def nominal(rank: int, chunk: int, op: Op) -> float:
-        f, b, i, w = bare.overrides[(rank, chunk)]
-        again = bare.recompute.get((rank, chunk), 0.0) if op in (Op.B, Op.I) else 0.0
-        return {Op.F: f, Op.B: b, Op.I: i, Op.W: w}[op] + again
-
-    cal = fit_links(got.records, nominal)
-    if got.link is not None:
-        cal = dataclasses.replace(cal, bandwidth=got.link[1])
+    cal = calibrate_from_run(
+        got, plan, profile.layers(cand.microbatch_size), cand.recompute, profile
+    )
     link = (
         f", bandwidth {cal.bandwidth / 1e9:.2f} GB/s (4 MiB ping-pong between pipeline ranks "
         f"0 and 1)"

@@ -30,6 +30,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import multiprocessing as mp
 import os
@@ -58,6 +59,8 @@ __all__ = [
     "VerifyRow",
     "WorldFailure",
     "build_config_model",
+    "calibrate_from_run",
+    "fit_compute",
     "fit_links",
     "format_verify_table",
     "measure",
@@ -575,6 +578,35 @@ def fit_links(
         hops,
         scale,
     )
+
+
+def calibrate_from_run(
+    got: Measured,
+    plan: Any,
+    layers: Sequence[Any],
+    recompute: str | None,
+    profile: Any,
+) -> Calibration:
+    """The calibration of one measured run of ``plan`` (``got`` with its records): each
+    action's nominal cost is what ``profile`` says its layers cost, unscaled and without the
+    engine's overhead (a forward recomputed in ``B``/``I`` included), fitted by
+    :func:`fit_links`; the bandwidth is what the run's link probe timed, if it ran one.
+    What ``plan --calibrate`` and ``benchmarks/bench_planner.py`` both do."""
+    from .search import step_costs
+
+    bare = step_costs(
+        plan, layers, recompute, profile.with_links(overhead_s=0.0, compute_scale=1.0)
+    )
+
+    def nominal(rank: int, chunk: int, op: Op) -> float:
+        f, b, i, w = bare.overrides[(rank, chunk)]
+        again = bare.recompute.get((rank, chunk), 0.0) if op in (Op.B, Op.I) else 0.0
+        return {Op.F: f, Op.B: b, Op.I: i, Op.W: w}[op] + again
+
+    cal = fit_links(got.records, nominal)
+    if got.link is not None:
+        cal = dataclasses.replace(cal, bandwidth=got.link[1])
+    return cal
 
 
 # ---- the table ------------------------------------------------------------------------------
