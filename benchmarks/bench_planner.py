@@ -20,8 +20,8 @@ differ. Every (pp, schedule) group runs in its own spawned world
 Predictions: the layer costs are the virtual device's nominal ones; the saved bytes are
 measured by the planner's profiler on the same layers; the per-action overhead and the hop
 latency are calibrated first from one run (pp=2, 1f1b, m=4) with
-:func:`lightning_pp.planner.verify.calibrate_from_run`. The table also gives the error with the planner's
-uncalibrated defaults (1 ms, 200 us).
+:func:`lightning_pp.planner.verify.calibrate_from_run`. The table also gives the error with the
+planner's uncalibrated defaults (1 ms, 200 us).
 
 Reports: median and worst |error| of the step time and of every rank's activation peak;
 whether the shape the planner ranks first measures within 1.05x of the best measured shape of
