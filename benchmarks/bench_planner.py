@@ -87,6 +87,8 @@ class Setup:
     warmup: int = 2
     steps: int = 3
     calibration: tuple[int, str, int] = (2, "1f1b", 4)  # pp, schedule, m
+    #: the calibration run's timed steps: it fits four numbers, each shape's median needs one
+    calibration_steps: int = 10
 
 
 QUICK = Setup(
@@ -97,6 +99,7 @@ QUICK = Setup(
     world=2,
     warmup=1,
     steps=2,
+    calibration_steps=2,
 )
 
 
@@ -219,12 +222,14 @@ def calibrate(setup: Setup, profile: ModelProfile, timeout: float) -> dict[str, 
         profile, setup.world, GLOBAL_BATCH, pp=pp, vpp=1, microbatches=m, schedule=name
     )
     t0 = time.perf_counter()
-    got = measure_many([spec_of(setup, cand, records=True)], setup.world, timeout=timeout)[0]
+    longer = dataclasses.replace(setup, steps=max(setup.steps, setup.calibration_steps))
+    got = measure_many([spec_of(longer, cand, records=True)], setup.world, timeout=timeout)[0]
     cal = calibrate_from_run(got, plan, profile.layers(cand.microbatch_size), None, profile)
     return {
         "overhead_s": cal.overhead_s,
         "compute_scale": cal.compute_scale,
         "latency_s": cal.latency_s,
+        "receive_s": cal.receive_s,
         "actions": cal.actions,
         "hops": cal.hops,
         "shape": f"dp={cand.dp} x pp={pp} {name} m={m}",
@@ -243,12 +248,14 @@ def run(
     log(
         f"calibrated: overhead {cal['overhead_s'] * 1e3:.3f} ms/action, layers x"
         f"{cal['compute_scale']:.3f}, hop latency "
-        f"{cal['latency_s'] * 1e6:.0f} us ({cal['actions']} actions, {cal['hops']} hops)"
+        f"{cal['latency_s'] * 1e6:.0f} us ({cal['actions']} actions, {cal['hops']} hops), a "
+        f"receive {cal['receive_s'] * 1e6:.0f} us"
     )
     calibrated = profile.with_links(
         latency_s=cal["latency_s"],
         overhead_s=cal["overhead_s"],
         compute_scale=cal["compute_scale"],
+        receive_s=cal["receive_s"],
     )
     defaults = profile.with_links(latency_s=DEFAULT_LATENCY_S, overhead_s=DEFAULT_OVERHEAD_S)
     shapes = grid(setup, profile)
@@ -392,7 +399,8 @@ def to_markdown(recs: list[dict], summary: dict, meta: dict) -> str:
         f"- calibrated from one run ({cal['shape']}): engine overhead "
         f"{cal['overhead_s'] * 1e3:.3f} ms per action, layers {cal['compute_scale']:.3f}x "
         f"their profiled time (fitted over {cal['actions']} actions), "
-        f"hop latency {cal['latency_s'] * 1e6:.0f} us ({cal['hops']} hops)",
+        f"hop latency {cal['latency_s'] * 1e6:.0f} us ({cal['hops']} hops), of which a "
+        f"receive costs {cal.get('receive_s', 0.0) * 1e6:.0f} us",
         "",
         "## Summary",
         "",

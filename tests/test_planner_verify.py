@@ -18,7 +18,7 @@ import pytest
 
 from lightning_pp.plan import PreflightError
 from lightning_pp.planner import LayerCost, ModelProfile, predict, search
-from lightning_pp.planner.search import make_candidate, oversubscribed_seconds
+from lightning_pp.planner.search import make_candidate, oversubscribed_seconds, step_costs
 from lightning_pp.planner.verify import (
     Measured,
     RunSpec,
@@ -121,6 +121,55 @@ def test_fit_links_recovers_overhead_and_latency_from_a_synthetic_record():
     assert cal.latency_s == pytest.approx(hop, abs=1e-9)
     assert (cal.actions, cal.hops) == (4, 2)
     assert cal.compute_scale == pytest.approx(1.0, abs=1e-9)
+
+
+def test_fit_links_separates_the_receive_cost_from_the_hop():
+    """Step 1: rank 1's F waits for data still on its way (a hop of 0.9 ms). Step 2: rank 0
+    asks for its gradient 5 ms after it was sent and still waits 0.7 ms for it: the receive's
+    own cost, which the hop of step 1 holds too."""
+    s = build_schedule("gpipe", pp=2, microbatches=1)
+    hop, rx = 0.9e-3, 0.7e-3
+
+    def step(late: bool) -> list[list[StepRecord]]:
+        f0 = StepEvent(s.ranks[0][0], 0.0, 1.0, send_time=1.0)
+        f1 = StepEvent(s.ranks[1][0], 0.0, 1.0 + hop + 1.0, comm_wait=1.0 + hop)
+        b1 = StepEvent(s.ranks[1][1], f1.end, f1.end + 2.0, send_time=f1.end + 2.0)
+        start = b1.send_time + 5e-3 if late else f0.end
+        wait = rx if late else b1.send_time + hop - start
+        b0 = StepEvent(s.ranks[0][1], start, start + wait + 2.0, comm_wait=wait)
+        return [[StepRecord(0, 0, s, 0.0, [f0, b0])], [StepRecord(1, 1, s, 0.0, [f1, b1])]]
+
+    both = [a + b for a, b in zip(step(False), step(True))]
+    cal = fit_links(both, lambda r, c, op: 1.0 if op is Op.F else 2.0)
+    assert cal.latency_s == pytest.approx(hop, abs=1e-9)  # three blocked hops, all 0.9 ms
+    assert cal.receive_s == pytest.approx(rx, abs=1e-9)
+    assert fit_links(step(False), lambda r, c, op: 1.0).receive_s == 0.0  # no late receive
+
+
+def test_the_receive_cost_is_charged_to_every_receiving_action_and_taken_off_the_hop():
+    prof = ModelProfile(
+        {4: [_layer(1e-3)] * 8}, overhead_s=0.0, latency_s=1e-3, bandwidth=float("inf")
+    )
+    rx = 0.4e-3
+    for name, vpp in (("1f1b", 1), ("zbv", 2)):
+        cand, plan = make_candidate(prof, 2, 16, pp=2, vpp=vpp, microbatches=4, schedule=name)
+        base = step_costs(plan, prof.layers(4), None, prof)
+        charged = step_costs(plan, prof.layers(4), None, prof.with_links(receive_s=rx))
+        assert charged.latency == pytest.approx(base.latency - rx, abs=1e-12)
+        last = plan.schedule.num_stages - 1
+        for (r, c), costs in charged.overrides.items():
+            stage = plan.schedule.stage(r, c)
+            extra = [a - b for a, b in zip(costs, base.overrides[(r, c)])]
+            f_rx, b_rx = rx if stage > 0 else 0.0, rx if stage < last else 0.0
+            # (F, fused B, I, W): W receives nothing
+            assert extra == pytest.approx([f_rx, b_rx, b_rx, 0.0], abs=1e-12), (name, stage)
+    # one microbatch through gpipe: every receive is on the critical path and blocked, so the
+    # hop holds the whole receive cost and the makespan does not move; the busy time does not
+    # count it (the bubble is unchanged)
+    cand, plan = make_candidate(prof, 2, 16, pp=2, vpp=1, microbatches=1, schedule="gpipe")
+    a, b = predict(prof, cand, plan), predict(prof.with_links(receive_s=rx), cand, plan)
+    assert b.makespan_s == pytest.approx(a.makespan_s, rel=1e-12)
+    assert b.bubble == pytest.approx(a.bubble, rel=1e-9)
 
 
 def test_fit_compute_separates_a_slower_device_from_a_per_action_overhead():

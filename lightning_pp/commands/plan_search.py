@@ -160,6 +160,7 @@ def run_search(cfg: RunConfig, args: argparse.Namespace, command: str = "plan") 
                 latency_s=cal.latency_s if args.latency is None else None,
                 overhead_s=cal.overhead_s if args.overhead is None else None,
                 compute_scale=cal.compute_scale,
+                receive_s=cal.receive_s,
                 bandwidth=cal.bandwidth if args.bandwidth is None else None,
             )
         else:

@@ -157,7 +157,8 @@ def calibrate(
     msg = (
         f"calibrate: engine overhead {cal.overhead_s * 1e3:.2f} ms per action and layers "
         f"{cal.compute_scale:.2f}x their profiled time (fitted over {cal.actions} actions), hop "
-        f"latency {cal.latency_s * 1e6:.0f} us ({cal.hops} hops){link}, "
+        f"latency {cal.latency_s * 1e6:.0f} us ({cal.hops} hops) of which a receive costs "
+        f"{cal.receive_s * 1e6:.0f} us{link}, "
         f"from {len(got.steps_s)} steps of {_short(cand)} ({got.seconds:.1f} s)"
     )
     return cal, got, msg

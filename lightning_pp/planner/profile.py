@@ -152,7 +152,11 @@ class ModelProfile:
     second. ``overhead_s``: the engine's fixed cost per action (F, B, I or W) beyond the layers'
     own time. ``compute_scale``: how much slower (``> 1``) the layers run inside the pipeline
     than when profiled alone (other processes sharing the cores, colder caches), fitted by
-    ``--calibrate``; every layer time is multiplied by it. ``tokens_per_sample``: for tokens/s
+    ``--calibrate``; every layer time is multiplied by it. ``receive_s``: what a receive costs
+    although its data was sent before it asked (reading the header, the transfer, waking the
+    receiver), charged to every receiving action; ``latency_s`` then counts the rest of a hop
+    (fitted by ``--calibrate``; on a 2-core machine whose gloo threads wait for a core it was
+    0.3-1.6 ms per receive). ``tokens_per_sample``: for tokens/s
     (``None``: samples/s only). ``model_hash``:
     the model and config the profile belongs to (the profiler's cache key).
     """
@@ -162,6 +166,7 @@ class ModelProfile:
     bandwidth: float = DEFAULT_BANDWIDTH
     overhead_s: float = DEFAULT_OVERHEAD_S
     compute_scale: float = 1.0
+    receive_s: float = 0.0
     device: str = "cpu"
     model_hash: str = ""
     tokens_per_sample: int | None = None
@@ -256,6 +261,7 @@ class ModelProfile:
         bandwidth: float | None = None,
         overhead_s: float | None = None,
         compute_scale: float | None = None,
+        receive_s: float | None = None,
     ) -> ModelProfile:
         """The same layers with other link/engine numbers (``None``: keep)."""
         return dataclasses.replace(
@@ -264,4 +270,5 @@ class ModelProfile:
             bandwidth=self.bandwidth if bandwidth is None else bandwidth,
             overhead_s=self.overhead_s if overhead_s is None else overhead_s,
             compute_scale=self.compute_scale if compute_scale is None else compute_scale,
+            receive_s=self.receive_s if receive_s is None else receive_s,
         )

@@ -13,10 +13,13 @@ one: the planner states no rule of its own.
 
 **Step time** = the simulator's makespan + a data-parallel all-reduce term. The simulator gets
 per-(rank, chunk) costs: the sum of the chunk's layers' measured ``t_f``, ``t_i``, ``t_w`` at the
-candidate's microbatch size (a fused ``B`` costs ``t_i + t_w``; the first stage's ``I`` is a
-no-op, its ``W`` runs the whole backward, as in the engine), plus the per-action overhead on
-every action; full recompute adds the chunk's forward to each ``B``/``I``; every cross-rank
-dependency costs ``latency + boundary bytes / bandwidth`` (the largest boundary of the split).
+candidate's microbatch size (a fused ``B`` costs the measured fused backward ``t_b``; the first
+stage's ``I`` is a no-op, its ``W`` runs the whole backward, as in the engine), times the
+profile's ``compute_scale``, plus the per-action overhead on every action and the receive cost
+``receive_s`` on every action that receives (``F`` past the first stage, ``B``/``I`` before the
+last); full recompute adds the chunk's forward to each ``B``/``I``; every cross-rank dependency
+costs ``latency - receive_s + boundary bytes / bandwidth`` (the largest boundary of the split;
+the bubble monitor's expectation splits a hop the same way).
 The all-reduce follows the ring model, ``2 (dp-1)/dp x grad bytes / bandwidth + 2 (dp-1) x
 latency`` for the heaviest rank's gradients, added after the makespan (the engine overlaps it
 with the last backwards, so this errs on the slow side). The optimizer step is not counted.
@@ -59,7 +62,7 @@ from ..plan import (
     check_world,
 )
 from ..recompute_plan import format_bytes, inflight_profile
-from ..schedules import Costs
+from ..schedules import Costs, Op
 from .fastsim import CompiledSchedule
 from .memory import RankMemory, rank_memory
 from .profile import LayerCost, ModelProfile
@@ -256,9 +259,10 @@ def step_costs(
 ) -> Costs:
     """The simulator's cost model of a candidate (see the module notes). ``split``: whether
     the schedule splits backward, when known (finding out scans every action)."""
-    oh, k = profile.overhead_s, profile.compute_scale
+    oh, k, rx = profile.overhead_s, profile.compute_scale, profile.receive_s
     schedule = plan.schedule
     split = schedule.split_backward if split is None else split
+    last = schedule.num_stages - 1
     overrides: dict[tuple[int, int], tuple[float, ...]] = {}
     extra: dict[int | tuple[int, int], float] = {}
     for r, chunks in enumerate(_rank_chunks(plan, layers)):
@@ -267,16 +271,22 @@ def step_costs(
             t_i = k * sum(x.t_i for x in chunk)
             t_w = k * sum(x.t_w for x in chunk)
             t_b = k * sum(x.t_b for x in chunk)  # fused: cheaper than t_i + t_w
-            if split and schedule.stage(r, c) == 0:
+            stage = schedule.stage(r, c)
+            if split and stage == 0:
                 t_i, t_w = 0.0, t_i + t_w  # no input gradient: W runs the whole backward
-            overrides[(r, c)] = (t_f + oh, t_b + oh, t_i + oh, t_w + oh)
+            # F receives an activation past the first stage; B or I a gradient before the last
+            # (W receives nothing)
+            f_rx = rx if stage > 0 else 0.0
+            b_rx = rx if stage < last else 0.0
+            overrides[(r, c)] = (t_f + oh + f_rx, t_b + oh + b_rx, t_i + oh + b_rx, t_w + oh)
             if recompute == "full":
                 extra[(r, c)] = t_f
     latency = 0.0
     if plan.pp > 1:
         assert plan.layer_ranges is not None
         boundary = max(layers[rng[-1]].boundary_bytes for rng in plan.layer_ranges[:-1])
-        latency = profile.latency_s + boundary / profile.bandwidth
+        # every receive already pays receive_s; the hop adds the rest of its measured delay
+        latency = max(profile.latency_s - rx, 0.0) + boundary / profile.bandwidth
     return Costs(overrides=overrides, latency=latency, recompute=extra)
 
 
@@ -300,6 +310,10 @@ def predict(
     compiled = compiled or CompiledSchedule(plan.schedule)
     costs = step_costs(plan, layers, candidate.recompute, profile, compiled.split_backward)
     makespan, busy = compiled.run(costs)
+    if profile.receive_s:
+        # a receive's cost is time blocked on it, not computing (the bubble counts it idle, and
+        # it leaves the core free for another process)
+        busy = [b - profile.receive_s * n for b, n in zip(busy, _receives_per_rank(compiled))]
     compute = sum(busy)
     bubble = (makespan * len(busy) - compute) / compute if compute > 0 else 0.0
     grads = max(m.grads for m in memory)
@@ -311,6 +325,22 @@ def predict(
     return Prediction(
         candidate, step, makespan, ar, bubble, memory, samples, tokens, pipeline - makespan
     )
+
+
+def _receives_per_rank(compiled: CompiledSchedule) -> list[int]:
+    """How many actions of each rank receive from another stage (``F`` past the first stage,
+    ``B``/``I`` before the last)."""
+    s = compiled.schedule
+    last = s.num_stages - 1
+    out = []
+    for r, actions in enumerate(s.ranks):
+        n = 0
+        for a in actions:
+            stage = s.stage(r, a.chunk)
+            if (a.op is Op.F and stage > 0) or (a.op in (Op.B, Op.I) and stage < last):
+                n += 1
+        out.append(n)
+    return out
 
 
 def oversubscribed_seconds(

@@ -490,6 +490,9 @@ class Calibration:
     compute_scale: float = 1.0
     #: bytes per second between pipeline neighbours, where the run timed it (``None``: not)
     bandwidth: float | None = None
+    #: mean wait of a receive whose data was sent before it asked (0 with one stage); part of
+    #: ``latency_s``, which is the whole hop (see ``ModelProfile.receive_s``)
+    receive_s: float = 0.0
 
 
 #: the fitted slope is trusted within these bounds; outside them (or without spread in the
@@ -541,7 +544,9 @@ def fit_links(
     ``nominal(rank, chunk, op)``: what the profile says the action's layers cost (no
     overhead). Scale and overhead: :func:`fit_compute` over every action's ``(nominal,
     compute)``; latency = :func:`~lightning_pp.callbacks.analysis.p2p_latency` per step,
-    averaged.
+    averaged; the receive cost =
+    :func:`~lightning_pp.callbacks.analysis.receive_overhead` per step, averaged over the steps
+    where a receive asked after its data was sent.
 
     Example:
         >>> from lightning_pp.records import StepEvent
@@ -553,7 +558,7 @@ def fit_links(
         >>> cal.compute_scale, cal.overhead_s
         (1.0, 0.5)
     """
-    from ..callbacks.analysis import _receives, p2p_latency
+    from ..callbacks.analysis import _receives, p2p_latency, receive_overhead
 
     pairs = [
         (nominal(r, e.action.chunk, e.action.op), e.compute)
@@ -563,20 +568,25 @@ def fit_links(
     ]
     scale, overhead = fit_compute(pairs)
     steps = min((len(recs) for recs in records), default=0)
-    latencies, hops = [], 0
+    latencies, receives, hops = [], [], 0
     if len(records) > 1:
         for i in range(steps):
             one = [recs[i] for recs in records]
-            n = sum(1 for st, _, sent in _receives(one, [0.0] * len(one)) if st < sent)
+            got = _receives(one, [0.0] * len(one))
+            n = sum(1 for st, _, sent in got if st < sent)
             if n:
                 latencies.append(p2p_latency(one))
                 hops += n
+            if len(got) > n:  # some receive asked after its data was sent
+                receives.append(receive_overhead(one))
+    latency = statistics.fmean(latencies) if latencies else 0.0
     return Calibration(
         overhead,
-        statistics.fmean(latencies) if latencies else 0.0,
+        latency,
         len(pairs),
         hops,
         scale,
+        receive_s=statistics.fmean(receives) if receives else 0.0,
     )
 
 
