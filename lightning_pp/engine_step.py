@@ -282,6 +282,8 @@ class StepRun:
             _storages(batch) if engine.measure_memory or probes is not None else set()
         )
         self.stash = Stash(len(engine.chunks))
+        #: seconds the current action spent in the chunk's own computation (StepEvent.layers)
+        self.layer_s: float | None = None
         self.loss = torch.zeros((), dtype=torch.float32, device=engine.device)
         self.outputs: dict[int, Any] = {}
         self.sends = SendQueue()
@@ -356,6 +358,7 @@ class StepRun:
         frames: list[RecomputeOnce] = []
         kept: SavedForW | None = None
         args = (x, microbatch) if engine.chunk_gets_microbatch else (x,)
+        t0 = time.perf_counter()
         try:
             if self.probes is not None:
                 with torch.enable_grad():
@@ -376,6 +379,7 @@ class StepRun:
             else:
                 out, kept = self._run_chunk(c, args, saved)
         except Exception as e:
+            self.layer_s = time.perf_counter() - t0
             if place.first:
                 raise
             p = received[0]
@@ -384,6 +388,7 @@ class StepRun:
                 f"{p.request.peer} (stage {s - 1}) for mb={mb}: received "
                 f"{'tuple ' if p.is_tuple else ''}{format_specs(p.specs)}: {type(e).__name__}: {e}"
             ) from e
+        self.layer_s = time.perf_counter() - t0
         check = engine.finite_checker
         if check is not None:
             if place.first:
@@ -512,7 +517,9 @@ class StepRun:
             # Until W the microbatch holds only what W's nodes unpack again (a Linear's input,
             # not a GELU's): what the forward saved is trimmed to that, and a recomputed region
             # (RecomputeOnce), which ran its forward again here, once, keeps only that of it.
+            t0 = time.perf_counter()
             dx, work = backward_input(tensors, grads, entry.inputs)
+            self.layer_s = time.perf_counter() - t0
             if entry.kept is not None or entry.frames:
                 w_nodes = work.nodes()
                 if entry.kept is not None:
@@ -525,7 +532,9 @@ class StepRun:
             self.stash.defer(c, entry, work, saved=self._held_until_w(entry))
             got = [g for t, g in zip(entry.inputs, dx) if t.is_floating_point()]
         else:
+            t0 = time.perf_counter()
             fused_backward(tensors, grads)
+            self.layer_s = time.perf_counter() - t0
             got = [t.grad for t in entry.inputs if t.is_floating_point()]
         if place.first:
             return []
@@ -553,7 +562,9 @@ class StepRun:
     def _weight_backward(self, action: Action) -> None:
         """W: the weight gradients of the chunk's oldest I (FIFO), then its graph is freed."""
         work = self.stash.pop_deferred(action, self.engine.rank)
+        t0 = time.perf_counter()
         work.run()
+        self.layer_s = time.perf_counter() - t0
 
     # -- after the compute ---------------------------------------------------------------------
     def post(self, index: int, action: Action, messages: list[Message]) -> None:
@@ -592,4 +603,6 @@ class StepRun:
             saved_bytes=self.stash.saved_bytes,
             inflight=self.stash.inflight,
             send_bytes=self.sends.nbytes,
+            layers=self.layer_s,
         )
+        self.layer_s = None

@@ -37,7 +37,9 @@ class StepEvent:
     arrival minus the sender's ``send_time`` is one real hop delay. ``recv_posted_after``: the
     index (in this rank's action list) of the action after which this action's receives were
     posted, ``-1`` before the first action; ``None`` when it received nothing (see the engine's
-    ``recv_lookahead``).
+    ``recv_lookahead``). ``layers``: seconds of it spent inside the chunk's own computation (the
+    chunk's forward call; the autograd call of a ``B``, ``I`` or ``W``), so ``compute - layers``
+    is the engine's own cost (``None`` in records that predate it).
     """
 
     action: Action
@@ -51,6 +53,7 @@ class StepEvent:
     compute_end: float | None = None
     send_time: float | None = None
     recv_posted_after: int | None = None
+    layers: float | None = None
 
     @property
     def duration(self) -> float:
@@ -121,6 +124,7 @@ class StepRecorder:
         saved_bytes: int,
         inflight: int,
         send_bytes: int,
+        layers: float | None = None,
     ) -> StepEvent:
         """Record ``action``, which ends now (``StepEvent`` documents the fields)."""
         event = StepEvent(
@@ -135,6 +139,7 @@ class StepRecorder:
             compute_end=compute_end,
             send_time=compute_end if sent else None,
             recv_posted_after=recv_posted_after,
+            layers=layers,
         )
         record = self.record
         record.events.append(event)

@@ -83,10 +83,12 @@ def test_recorded_events_survive_the_gather():
             saved_bytes=10 * i,
             inflight=i % 2,
             send_bytes=7,
+            layers=0.25 * i,
         )
     record = rec.finish()
     assert record.peak_stash_bytes == 300 and record.peak_inflight == 1
     assert [e.recv_posted_after for e in record.events] == [-1, None, 1, None]
     assert record.events[1].send_time == 1.5 and record.events[0].send_time is None
+    assert [e.layers for e in record.events] == [0.0, 0.25, 0.5, 0.75]
     assert _unpack(_pack(record), s) == record
     assert Action(Op.F, 0) == record.events[0].action

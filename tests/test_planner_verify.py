@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from lightning_pp.plan import PreflightError
 from lightning_pp.planner import LayerCost, ModelProfile, predict, search
@@ -26,6 +27,7 @@ from lightning_pp.planner.verify import (
     WorldFailure,
     fit_compute,
     fit_links,
+    fit_timed,
     format_verify_table,
     measure,
     pct_error,
@@ -172,6 +174,35 @@ def test_the_receive_cost_is_charged_to_every_receiving_action_and_taken_off_the
     assert b.bubble == pytest.approx(a.bubble, rel=1e-9)
 
 
+def test_fit_links_uses_the_layers_own_time_when_the_engine_recorded_it():
+    """Layers 1.3x slower than profiled and 0.4 ms of engine per action, but the forwards
+    15 % slower than that and the backwards 10 % faster (one shape's actions on the loaded
+    2-core machine drift like this, by op and by rank): with the layers' own time the overhead
+    comes back exactly and the scale is the measured one; a line through the action times alone
+    reads the drift as a flatter slope and a 1 ms overhead."""
+    s = build_schedule("1f1b", pp=1, microbatches=4)
+    nominal = {Op.F: 1e-3, Op.B: 2e-3}
+    drift = {Op.F: 1.15, Op.B: 0.9}
+    events, t = [], 0.0
+    for a in s.ranks[0] * 3:
+        layers = 1.3 * nominal[a.op] * drift[a.op]
+        compute = layers + 0.4e-3
+        events.append(StepEvent(a, t, t + compute, layers=layers))
+        t += compute
+    records = [[StepRecord(0, 0, s, 0.0, events)]]
+    cal = fit_links(records, lambda r, c, op: nominal[op])
+    total = sum(e.layers for e in events) / sum(nominal[e.action.op] for e in events)
+    assert cal.compute_scale == pytest.approx(total, rel=1e-9)
+    assert cal.overhead_s == pytest.approx(0.4e-3, abs=1e-12)
+    # the same actions without the layers' time: the line is thrown off by the scatter
+    plain = [StepEvent(e.action, e.start, e.end) for e in events]
+    line = fit_links([[StepRecord(0, 0, s, 0.0, plain)]], lambda r, c, op: nominal[op])
+    assert line.overhead_s == pytest.approx(1.05e-3, rel=1e-6), line
+    # nothing profiled: scale 1; never a negative overhead
+    assert fit_timed([(0.0, 0.0, 1e-4)]) == (1.0, 1e-4)
+    assert fit_timed([(1.0, 1.0, 0.9)])[1] == 0.0
+
+
 def test_fit_compute_separates_a_slower_device_from_a_per_action_overhead():
     """Layers 1.3x slower than profiled plus 0.4 ms per action: a constant alone would call it
     an overhead that grows with the action's cost; the fit recovers both, and a prediction
@@ -210,6 +241,33 @@ def test_a_failing_run_raises_world_failure_and_leaves_no_process():
                    counts=(1, 1))  # fmt: skip
     with pytest.raises(WorldFailure, match="on purpose"):
         measure(spec, 2, timeout=90)
+
+
+def _sleep_builder():
+    from lightning_pp.models.virtual_device import SleepLayer
+    from lightning_pp.planner.verify import BuiltModel
+
+    torch.manual_seed(0)
+    layers = [SleepLayer(8, t_f=2e-3, t_i=3e-3, t_w=4e-3) for _ in range(2)]
+    return BuiltModel(layers, lambda mb: mb[0], lambda out, mb: ((out - mb[1]) ** 2).mean())
+
+
+@pytest.mark.timeout(120)
+def test_a_real_run_records_each_actions_layer_time_within_its_compute():
+    """The virtual device holds each layer until its deadline, so every recorded ``layers`` is
+    at least the configured cost, and never more than the action's compute (which adds the
+    engine's own work)."""
+    batch = (torch.randn(4, 8), torch.randn(4, 8))
+    cost = {Op.F: 2e-3, Op.I: 3e-3, Op.W: 4e-3}
+    spec = RunSpec(_sleep_builder, batch, pp=2, vpp=1, microbatches=2, schedule="zb-h1",
+                   counts=(1, 1), warmup=1, steps=1, keep_records=True)  # fmt: skip
+    got = measure(spec, 2, timeout=90)
+    for rank, recs in enumerate(got.records):
+        for e in recs[0].events:
+            assert e.layers is not None and e.layers <= e.compute, (rank, e)
+            # the first stage's input needs no gradient: its I computes nothing
+            floor = 0.0 if (rank, e.action.op) == (0, Op.I) else cost[e.action.op]
+            assert e.layers >= floor, (rank, e)
 
 
 def _tiny_args(tmp_path: Path) -> list[str]:

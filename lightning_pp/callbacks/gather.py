@@ -59,6 +59,7 @@ def _pack(record: StepRecord) -> tuple:
             e.compute_end,
             e.send_time,
             e.recv_posted_after,
+            e.layers,
         )
         for e in record.events
     ]
@@ -86,8 +87,10 @@ def _unpack(packed: tuple, schedule: Schedule) -> StepRecord:
         peak_saved_bytes=saved,
         peak_inflight=inflight,
         events=[
-            StepEvent(Action(Op(op), mb, chunk), start, end, wait, st, sv, sd, inf, ce, sent, after)
-            for op, mb, chunk, start, end, wait, st, sv, sd, inf, ce, sent, after in events
+            StepEvent(
+                Action(Op(op), mb, chunk), start, end, wait, st, sv, sd, inf, ce, sent, after, lay
+            )
+            for op, mb, chunk, start, end, wait, st, sv, sd, inf, ce, sent, after, lay in events
         ],
     )
 
