@@ -635,7 +635,10 @@ def calibrate_from_run(
     from .search import step_costs
 
     bare = step_costs(
-        plan, layers, recompute, profile.with_links(overhead_s=0.0, compute_scale=1.0)
+        plan,
+        layers,
+        recompute,
+        profile.with_links(overhead_s=0.0, compute_scale=1.0, receive_s=0.0),
     )
 
     def nominal(rank: int, chunk: int, op: Op) -> float:
