@@ -21,6 +21,8 @@ Example:
 
 from __future__ import annotations
 
+import functools
+
 from ..schedules import Costs, Op, Schedule, validate
 from ..schedules.validate import _backward_ops, dependencies
 
@@ -85,6 +87,21 @@ class CompiledSchedule:
             (keys[i][0] * vpp + keys[i][1].chunk) * len(_OPS) + ops[keys[i][1].op] for i in order
         ]
         self.deps = [tuple((position[d], keys[d][0] != keys[i][0]) for d in deps[i]) for i in order]
+
+    @functools.cached_property
+    def receives(self) -> list[int]:
+        """How many actions of each rank receive from another stage (``F`` past the first
+        stage, ``B``/``I`` before the last): what a per-receive cost is charged to."""
+        s = self.schedule
+        last = s.num_stages - 1
+        out = []
+        for r, actions in enumerate(s.ranks):
+            n = 0
+            for a in actions:
+                stage = s.stage(r, a.chunk)
+                n += (a.op is Op.F and stage > 0) or (a.op in (Op.B, Op.I) and stage < last)
+            out.append(n)
+        return out
 
     def run(self, costs: Costs) -> tuple[float, list[float]]:
         """``(makespan, busy seconds per rank)`` under ``costs`` (its ``latency`` included)."""

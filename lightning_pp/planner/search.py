@@ -62,7 +62,7 @@ from ..plan import (
     check_world,
 )
 from ..recompute_plan import format_bytes, inflight_profile
-from ..schedules import Costs, Op
+from ..schedules import Costs
 from .fastsim import CompiledSchedule
 from .memory import RankMemory, rank_memory
 from .profile import LayerCost, ModelProfile
@@ -313,7 +313,7 @@ def predict(
     if profile.receive_s:
         # a receive's cost is time blocked on it, not computing (the bubble counts it idle, and
         # it leaves the core free for another process)
-        busy = [b - profile.receive_s * n for b, n in zip(busy, _receives_per_rank(compiled))]
+        busy = [b - profile.receive_s * n for b, n in zip(busy, compiled.receives)]
     compute = sum(busy)
     bubble = (makespan * len(busy) - compute) / compute if compute > 0 else 0.0
     grads = max(m.grads for m in memory)
@@ -325,22 +325,6 @@ def predict(
     return Prediction(
         candidate, step, makespan, ar, bubble, memory, samples, tokens, pipeline - makespan
     )
-
-
-def _receives_per_rank(compiled: CompiledSchedule) -> list[int]:
-    """How many actions of each rank receive from another stage (``F`` past the first stage,
-    ``B``/``I`` before the last)."""
-    s = compiled.schedule
-    last = s.num_stages - 1
-    out = []
-    for r, actions in enumerate(s.ranks):
-        n = 0
-        for a in actions:
-            stage = s.stage(r, a.chunk)
-            if (a.op is Op.F and stage > 0) or (a.op in (Op.B, Op.I) and stage < last):
-                n += 1
-        out.append(n)
-    return out
 
 
 def oversubscribed_seconds(
