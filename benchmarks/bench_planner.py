@@ -18,14 +18,16 @@ differ. Every (pp, schedule) group runs in its own spawned world
 (:func:`lightning_pp.planner.verify.measure_many`), each shape with a fresh engine.
 
 Predictions: the layer costs are the virtual device's nominal ones; the saved bytes are
-measured by the planner's profiler on the same layers; the per-action overhead and the hop
-latency are calibrated first from one run (pp=2, 1f1b, m=4) with
-:func:`lightning_pp.planner.verify.calibrate_from_run`. The table also gives the error with the
-planner's uncalibrated defaults (1 ms, 200 us).
+measured by the planner's profiler on the same layers; the compute scale, the per-action
+overhead, the hop latency and the receive cost are calibrated first from one run (pp=2, 1f1b,
+m=4) with :func:`lightning_pp.planner.verify.calibrate_from_run`. The table also gives the
+error with the planner's uncalibrated defaults (1 ms, 200 us).
 
 Reports: median and worst |error| of the step time and of every rank's activation peak;
 whether the shape the planner ranks first measures within 1.05x of the best measured shape of
-the grid; whether the cost-balanced split measures faster than the uniform one.
+the grid; whether the cost-balanced split measures faster than the uniform one. Beside the
+markdown: the records (``.jsonl``) and a plot of predicted against measured step time
+(``.png``, with matplotlib; ``--replot FILE.jsonl`` redraws it from the records).
 
     python benchmarks/bench_planner.py --out benchmarks/results/planner.md
     python benchmarks/bench_planner.py --quick --out /tmp/planner_quick.md   # smoke: seconds
@@ -453,9 +455,65 @@ def to_markdown(recs: list[dict], summary: dict, meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def plot(recs: list[dict], summary: dict, title: str, path: str) -> bool:
+    """Predicted against measured step time, one point per shape (coloured by schedule), on
+    the diagonal where the prediction is exact, with the 5 % and 10 % bands of the targets.
+    Returns False (and writes nothing) without matplotlib (``pip install -e ".[plot]"``)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    ok = [r for r in recs if "measured_s" in r]
+    fig, ax = plt.subplots(figsize=(6.4, 6.0))
+    top = 1.08 * max(max(r["measured_s"], r["predicted_s"]) for r in ok) * 1e3
+    low = 0.92 * min(min(r["measured_s"], r["predicted_s"]) for r in ok) * 1e3
+    line = [low, top]
+    ax.plot(line, line, color="black", lw=1, label="exact")
+    for band, shade in ((0.10, 0.08), (0.05, 0.16)):
+        ax.fill_between(line, [x * (1 - band) for x in line], [x * (1 + band) for x in line],
+                        color="tab:green", alpha=shade, lw=0,
+                        label=f"within {band:.0%}")  # fmt: skip
+    for name in ("gpipe", "1f1b", "zb-h1", "interleaved", "zbv"):
+        pts = [r for r in ok if r["schedule"] == name]
+        if pts:
+            ax.scatter([r["measured_s"] * 1e3 for r in pts],
+                       [r["predicted_s"] * 1e3 for r in pts], s=22, label=name)  # fmt: skip
+    ax.set_xlim(low, top)
+    ax.set_ylim(low, top)
+    ax.set_xlabel("measured step (ms, median)")
+    ax.set_ylabel("predicted step (ms)")
+    ax.set_title(
+        f"{title}\n|error| median {summary['step_median']:.1f} %, worst "
+        f"{summary['step_worst']:.1f} % over {summary['measured']} shapes",
+        fontsize=10,
+    )
+    ax.legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def replot(jsonl: str) -> str | None:
+    """The plot of a finished run from its ``.jsonl`` (beside it, ``.png``)."""
+    with open(jsonl) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    recs = [r for r in rows if "summary" not in r]
+    tail = next(r for r in rows if "summary" in r)
+    path = os.path.splitext(jsonl)[0] + ".png"
+    title = f"planner accuracy, {tail['meta'].get('workload', 'sleep')} workload"
+    return path if plot(recs, tail["summary"], title, path) else None
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--out", required=True, help="markdown report (a .jsonl beside it)")
+    ap.add_argument(
+        "--out", help="markdown report (a .jsonl and a predicted-vs-measured .png beside it)"
+    )
+    ap.add_argument("--replot", metavar="JSONL", help="only redraw the .png of a finished run")
     ap.add_argument("--quick", action="store_true", help="a smoke run: pp=2, two shapes")
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per spawned world")
@@ -470,6 +528,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--world", type=int, default=None, help="processes (default 4)")
     ap.add_argument("--pps", type=int, nargs="+", default=None, help="pipeline sizes")
     args = ap.parse_args(argv)
+    if args.replot:
+        print(replot(args.replot) or "no plot: matplotlib is not installed")
+        return {}
+    if not args.out:
+        ap.error("--out is required (or --replot JSONL)")
     setup = QUICK if args.quick else Setup()
     setup = dataclasses.replace(setup, workload=args.workload)
     if args.world:
@@ -512,6 +575,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for r in recs:
             f.write(json.dumps(r) + "\n")
         f.write(json.dumps({"summary": summary, "meta": meta}) + "\n")
+    if summary["measured"]:
+        replot(os.path.splitext(args.out)[0] + ".jsonl")
     print(open(args.out).read())
     return summary
 

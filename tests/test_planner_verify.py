@@ -331,3 +331,4 @@ def test_bench_planner_quick(tmp_path):
     text = out.read_text()
     assert "## Summary" in text and "| pp | vpp |" in text
     assert os.path.exists(tmp_path / "planner.jsonl")
+    assert (tmp_path / "planner.png").stat().st_size > 0  # predicted vs measured
