@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -34,6 +33,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
+
+from lightning_pp.planner.verify import free_port  # a job's rendezvous port
 
 # After a kill, how long to keep collecting output that is still buffered in the pipe. Bounded:
 # a process that escaped both the group and the descendant walk may hold the pipe open forever.
@@ -209,13 +210,6 @@ def run_job(
         timeout=timeout,
         pgid=proc.pid,
     )
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (a job's rendezvous)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def torchrun_command(nproc: int, script: str | Path, *args: str) -> list[str]:

@@ -14,14 +14,13 @@ from __future__ import annotations
 import csv
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from jobs import kill_job, start_job
+from jobs import free_port, kill_job, start_job
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = "configs/demo_cpu.yaml"
@@ -91,12 +90,6 @@ def _kill(proc: subprocess.Popen) -> None:
 def read_losses(path: Path) -> list[tuple[int, float]]:
     with open(path) as f:
         return [(int(r["step"]), float(r["loss"])) for r in csv.DictReader(f)]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 CLI = [sys.executable, "-m", "lightning_pp.cli"]

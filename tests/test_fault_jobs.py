@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 import pytest
-from jobs import kill_job, start_job
+from jobs import free_port, kill_job, start_job
 
 SCRIPTS = Path(__file__).parent / "scripts"
 WATCHDOG = 5.0
@@ -39,12 +39,6 @@ def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
         "FAULT_DIR": str(tmp_path),
         **extra,
     }
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _alive(pid: int) -> bool:
@@ -119,7 +113,7 @@ def _launch_lightning(job: Job, pp: int) -> None:
 
 
 def _launch_torchrun(job: Job, pp: int) -> None:
-    port = _free_port()
+    port = free_port()
     for node in (0, 1):
         cmd = [
             sys.executable, "-m", "torch.distributed.run",
@@ -199,7 +193,7 @@ def test_slurm_sigterm_requeues_the_job_after_saving(job, tmp_path):
     fake = bin_dir / "scontrol"
     fake.write_text(f'#!/bin/sh\necho "$@" >> {calls}\n')
     fake.chmod(0o755)
-    world, port = 3, _free_port()
+    world, port = 3, free_port()
     slurm = {
         "SLURM_NTASKS": str(world),
         "SLURM_NTASKS_PER_NODE": str(world),

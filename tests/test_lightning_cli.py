@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import sys
 from pathlib import Path
 
@@ -19,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "tests" / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 
-from jobs import run_job  # noqa: E402
+from jobs import free_port, run_job  # noqa: E402
 
 # Lightning's own requirement for LightningCLI (lightning.pytorch.cli)
 REQUIREMENT = "jsonargparse[signatures]>=4.27.7"
@@ -36,12 +35,6 @@ def test_cli_extra_installs_lightning_cli_requirement():
     assert "lightning-pp[cli]" in readme and "--trainer.strategy=lightning_pp.PipelineStrategy" in (
         readme
     )
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_lightning_cli_trains_with_pipeline_strategy(tmp_path):
@@ -77,7 +70,7 @@ def test_lightning_cli_trains_with_pipeline_strategy(tmp_path):
         "OMP_NUM_THREADS": "1",
         "PYTHONUNBUFFERED": "1",
         "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(_free_port()),
+        "MASTER_PORT": str(free_port()),
         "CLI_RUN_OUT": str(out),
     }
     result = run_job(cmd, env=env, cwd=ROOT, timeout=300)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 from pathlib import Path
 
@@ -18,13 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "tests" / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 
-from jobs import run_job  # noqa: E402
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from jobs import free_port, run_job  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +28,7 @@ def hooks(tmp_path_factory) -> dict:
         "OMP_NUM_THREADS": "1",
         "PYTHONUNBUFFERED": "1",
         "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(_free_port()),
+        "MASTER_PORT": str(free_port()),
     }
     cmd = [sys.executable, str(SCRIPTS / "hooks_run.py"), "--out", str(out)]
     result = run_job(cmd, env=env, cwd=ROOT, timeout=400)

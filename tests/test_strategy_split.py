@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import sys
 from pathlib import Path
 
@@ -27,7 +26,7 @@ SCRIPTS = ROOT / "tests" / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 
 from byom_models import model_fn  # noqa: E402
-from jobs import run_job  # noqa: E402
+from jobs import free_port, run_job  # noqa: E402
 from split_common import CausalLM, run_reference  # noqa: E402
 
 from lightning_pp.autosplit import meta_build  # noqa: E402
@@ -88,12 +87,6 @@ TRAINED = [c for c in CONFIGS if "resume" not in c]
 BY_NAME = {c["name"]: c for c in CONFIGS}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> tuple[Path, dict[str, list[dict]]]:
     out = tmp_path_factory.mktemp("split")
@@ -106,7 +99,7 @@ def runs(tmp_path_factory) -> tuple[Path, dict[str, list[dict]]]:
         "--master_addr",
         "127.0.0.1",
         "--master_port",
-        str(_free_port()),
+        str(free_port()),
         str(SCRIPTS / "split_run.py"),
         "--out",
         str(out),

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 import time
 from pathlib import Path
@@ -19,13 +18,7 @@ SCRIPT = ROOT / "tests" / "scripts" / "ckpt_run.py"
 if str(ROOT / "tests") not in sys.path:  # tests/jobs.py, also when imported from outside pytest
     sys.path.insert(0, str(ROOT / "tests"))
 
-from jobs import kill_job, start_job  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from jobs import free_port, kill_job, start_job  # noqa: E402
 
 
 def launch(world: int, phases: list[dict], out: Path, timeout: float = 240.0) -> dict:
