@@ -68,7 +68,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..records import StepEvent, StepRecord
-from ..schedules import Action, Costs, Op, Schedule, SimResult, simulate
+from ..schedules import Action, Costs, Op, Schedule, SimResult, receives, simulate
 from ..schedules.simulate import peak_inflight
 
 if TYPE_CHECKING:
@@ -277,15 +277,6 @@ class BubbleStats:
 _CATEGORY = {Op.F: "forward", Op.B: "backward", Op.I: "input-grad", Op.W: "weight-grad"}
 
 
-def _is_receive(schedule: Schedule, rank: int, action: Action) -> bool:
-    if action.op is Op.W:
-        return False  # a weight gradient needs nothing from another stage
-    stage = schedule.stage(rank, action.chunk)
-    if action.op is Op.F:
-        return stage > 0
-    return stage < schedule.num_stages - 1
-
-
 def bubble_stats(
     records: Sequence[StepRecord], offsets: Sequence[float] | None = None
 ) -> BubbleStats:
@@ -317,8 +308,8 @@ def bubble_stats(
     # from the send being posted, of which the overhead is the part every receive pays.
     overrides: dict[tuple[int, int], tuple[float, ...]] = {}
     for (r, c), measured in costs.overrides.items():
-        f_extra = overhead if _is_receive(schedule, r, Action(Op.F, 0, c)) else 0.0
-        b_extra = overhead if _is_receive(schedule, r, Action(Op.B, 0, c)) else 0.0
+        f_extra = overhead if receives(schedule, r, Action(Op.F, 0, c)) else 0.0
+        b_extra = overhead if receives(schedule, r, Action(Op.B, 0, c)) else 0.0
         tf, tb, *split = measured
         if split:  # I receives the gradient (W receives nothing)
             ti, tw = split
@@ -336,10 +327,8 @@ def bubble_stats(
         start=first,
     )
     # The receive overhead is time blocked on a receive, idle as in the measurement.
-    receives = [
-        sum(1 for a in schedule.ranks[r] if _is_receive(schedule, r, a)) for r in range(len(recs))
-    ]
-    busy = [b - overhead * n for b, n in zip(expected.busy, receives)]
+    received = [sum(receives(schedule, r, a) for a in schedule.ranks[r]) for r in range(len(recs))]
+    busy = [b - overhead * n for b, n in zip(expected.busy, received)]
     expected_idle = sum(expected.makespan - b for b in busy)
     return BubbleStats(
         span=span,

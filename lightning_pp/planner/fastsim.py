@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import functools
 
-from ..schedules import Costs, Op, Schedule, validate
+from ..schedules import Costs, Op, Schedule, receives, validate
 from ..schedules.validate import _backward_ops, dependencies
 
 __all__ = ["CompiledSchedule"]
@@ -93,15 +93,7 @@ class CompiledSchedule:
         """How many actions of each rank receive from another stage (``F`` past the first
         stage, ``B``/``I`` before the last): what a per-receive cost is charged to."""
         s = self.schedule
-        last = s.num_stages - 1
-        out = []
-        for r, actions in enumerate(s.ranks):
-            n = 0
-            for a in actions:
-                stage = s.stage(r, a.chunk)
-                n += (a.op is Op.F and stage > 0) or (a.op in (Op.B, Op.I) and stage < last)
-            out.append(n)
-        return out
+        return [sum(receives(s, r, a) for a in actions) for r, actions in enumerate(s.ranks)]
 
     def run(self, costs: Costs) -> tuple[float, list[float]]:
         """``(makespan, busy seconds per rank)`` under ``costs`` (its ``latency`` included)."""

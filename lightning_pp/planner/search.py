@@ -62,7 +62,7 @@ from ..plan import (
     check_world,
 )
 from ..recompute_plan import format_bytes, inflight_profile
-from ..schedules import Costs
+from ..schedules import Action, Costs, Op, receives
 from .fastsim import CompiledSchedule
 from .memory import RankMemory, rank_memory
 from .profile import LayerCost, ModelProfile
@@ -262,7 +262,6 @@ def step_costs(
     oh, k, rx = profile.overhead_s, profile.compute_scale, profile.receive_s
     schedule = plan.schedule
     split = schedule.split_backward if split is None else split
-    last = schedule.num_stages - 1
     overrides: dict[tuple[int, int], tuple[float, ...]] = {}
     extra: dict[int | tuple[int, int], float] = {}
     for r, chunks in enumerate(_rank_chunks(plan, layers)):
@@ -274,10 +273,9 @@ def step_costs(
             stage = schedule.stage(r, c)
             if split and stage == 0:
                 t_i, t_w = 0.0, t_i + t_w  # no input gradient: W runs the whole backward
-            # F receives an activation past the first stage; B or I a gradient before the last
-            # (W receives nothing)
-            f_rx = rx if stage > 0 else 0.0
-            b_rx = rx if stage < last else 0.0
+            # an activation into F, a gradient into B or I (W receives nothing)
+            f_rx = rx if receives(schedule, r, Action(Op.F, 0, c)) else 0.0
+            b_rx = rx if receives(schedule, r, Action(Op.B, 0, c)) else 0.0
             overrides[(r, c)] = (t_f + oh + f_rx, t_b + oh + b_rx, t_i + oh + b_rx, t_w + oh)
             if recompute == "full":
                 extra[(r, c)] = t_f

@@ -28,7 +28,15 @@ from .generators import (
 )
 from .render import OP_STYLE, render_gantt, render_grid
 from .simulate import Costs, SimResult, peak_inflight, simulate
-from .validate import ScheduleError, Timeline, check_structure, execute, format_grid, validate
+from .validate import (
+    ScheduleError,
+    Timeline,
+    check_structure,
+    execute,
+    format_grid,
+    receives,
+    validate,
+)
 
 __all__ = [
     "DEFAULT_VPP",
@@ -54,6 +62,7 @@ __all__ = [
     "interleaved_warmup",
     "one_f_one_b",
     "peak_inflight",
+    "receives",
     "render_gantt",
     "render_grid",
     "simulate",

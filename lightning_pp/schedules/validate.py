@@ -203,6 +203,25 @@ def _backward_ops(schedule: Schedule) -> dict[tuple[int, int, int], Op]:
     }
 
 
+def receives(schedule: Schedule, rank: int, action: Action) -> bool:
+    """Whether ``action`` on ``rank`` takes data from another stage: an ``F`` past the first
+    stage (an activation), a ``B`` or ``I`` before the last (a gradient); never a ``W``. The
+    same cross-stage edges as :func:`dependencies`; what a per-receive cost is charged to.
+
+    Example:
+        >>> from lightning_pp.schedules import build_schedule
+        >>> s = build_schedule("1f1b", pp=2, microbatches=2)
+        >>> [receives(s, r, a) for r in (0, 1) for a in s.ranks[r][:2]]
+        [False, False, True, False]
+    """
+    if action.op is Op.W:
+        return False
+    stage = schedule.stage(rank, action.chunk)
+    if action.op is Op.F:
+        return stage > 0
+    return stage < schedule.num_stages - 1
+
+
 def dependencies(
     schedule: Schedule,
     rank: int,
