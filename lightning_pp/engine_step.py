@@ -379,7 +379,6 @@ class StepRun:
             else:
                 out, kept = self._run_chunk(c, args, saved)
         except Exception as e:
-            self.layer_s = time.perf_counter() - t0
             if place.first:
                 raise
             p = received[0]

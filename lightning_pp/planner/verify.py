@@ -592,11 +592,10 @@ def fit_links(
         for rec in recs
         for e in rec.events
     ]
-    pairs = [(n, e.compute) for n, e in events]
     if events and all(e.layers is not None for _, e in events):
         scale, overhead = fit_timed([(n, e.layers, e.compute) for n, e in events])
     else:  # records without the layers' own time: fit both from the action times
-        scale, overhead = fit_compute(pairs)
+        scale, overhead = fit_compute([(n, e.compute) for n, e in events])
     steps = min((len(recs) for recs in records), default=0)
     latencies, receives, hops = [], [], 0
     if len(records) > 1:
@@ -613,7 +612,7 @@ def fit_links(
     return Calibration(
         overhead,
         latency,
-        len(pairs),
+        len(events),
         hops,
         scale,
         receive_s=statistics.fmean(receives) if receives else 0.0,
