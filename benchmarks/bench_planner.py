@@ -54,7 +54,7 @@ from torch.nn import functional as F
 from benchmarks.harness import machine_info
 from lightning_pp.plan import PreflightError
 from lightning_pp.planner.profile import DEFAULT_LATENCY_S, DEFAULT_OVERHEAD_S, ModelProfile
-from lightning_pp.planner.profiler import profile_layers
+from lightning_pp.planner.profiler import profile_layers, profiling_threads
 from lightning_pp.planner.search import make_candidate, predict
 from lightning_pp.planner.verify import (
     BuiltModel,
@@ -142,19 +142,15 @@ def build_profile(setup: Setup, sizes: list[int]) -> ModelProfile:
     from lightning_pp.models.virtual_device import SleepLayer
 
     if setup.workload == "transformer":
-        before = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
+        with profiling_threads(1) as clock:
             measured = profile_layers(
                 transformer_model().layers,
                 lambda n: torch.randn(n, SEQ, DIM),
                 sizes,
                 repeats=3,
                 log=None,
-                clock=time.process_time,
+                clock=clock,
             )
-        finally:
-            torch.set_num_threads(before)
         return ModelProfile(
             measured, device="cpu", layer_names=("Block",) * len(measured[sizes[0]])
         )
@@ -267,6 +263,8 @@ def run(
         # 2-core machine, and zb-h1 and zbv (the pair seen to hang in one world, see
         # bench_recompute) never share one
         groups.setdefault((cand.pp, cand.vpp), []).append((cand, plan))
+    # real compute competes for the cores (sleep does not): the oversubscription term
+    cores = (os.cpu_count() or 1) if setup.workload == "transformer" else None
     recs = []
     for (pp, vpp), members in groups.items():
         t0 = time.perf_counter()
@@ -278,8 +276,6 @@ def run(
             got, failure = [None] * len(members), str(err)
         log(f"pp={pp} vpp={vpp}: {len(members)} shapes in {time.perf_counter() - t0:.1f} s")
         for (cand, plan), meas in zip(members, got):
-            # real compute competes for the cores (sleep does not): the oversubscription term
-            cores = (os.cpu_count() or 1) if setup.workload == "transformer" else None
             pred = predict(calibrated, cand, plan, cores=cores)
             pred_default = predict(defaults, cand, plan, cores=cores)
             rec = {
@@ -402,7 +398,7 @@ def to_markdown(recs: list[dict], summary: dict, meta: dict) -> str:
         f"{cal['overhead_s'] * 1e3:.3f} ms per action, layers {cal['compute_scale']:.3f}x "
         f"their profiled time (fitted over {cal['actions']} actions), "
         f"hop latency {cal['latency_s'] * 1e6:.0f} us ({cal['hops']} hops), of which a "
-        f"receive costs {cal.get('receive_s', 0.0) * 1e6:.0f} us",
+        f"receive costs {cal['receive_s'] * 1e6:.0f} us",
         "",
         "## Summary",
         "",
@@ -497,15 +493,21 @@ def plot(recs: list[dict], summary: dict, title: str, path: str) -> bool:
     return True
 
 
+def plot_beside(report: str, recs: list[dict], summary: dict, meta: dict) -> str | None:
+    """The plot of a run next to its report or records (same name, ``.png``); its path, or
+    ``None`` without matplotlib."""
+    path = os.path.splitext(report)[0] + ".png"
+    title = f"planner accuracy, {meta.get('workload', 'sleep')} workload"
+    return path if plot(recs, summary, title, path) else None
+
+
 def replot(jsonl: str) -> str | None:
     """The plot of a finished run from its ``.jsonl`` (beside it, ``.png``)."""
     with open(jsonl) as f:
         rows = [json.loads(line) for line in f if line.strip()]
-    recs = [r for r in rows if "summary" not in r]
     tail = next(r for r in rows if "summary" in r)
-    path = os.path.splitext(jsonl)[0] + ".png"
-    title = f"planner accuracy, {tail['meta'].get('workload', 'sleep')} workload"
-    return path if plot(recs, tail["summary"], title, path) else None
+    recs = [r for r in rows if "summary" not in r]
+    return plot_beside(jsonl, recs, tail["summary"], tail["meta"])
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -576,7 +578,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f.write(json.dumps(r) + "\n")
         f.write(json.dumps({"summary": summary, "meta": meta}) + "\n")
     if summary["measured"]:
-        replot(os.path.splitext(args.out)[0] + ".jsonl")
+        plot_beside(args.out, recs, summary, meta)
     print(open(args.out).read())
     return summary
 

@@ -28,13 +28,14 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -225,6 +226,25 @@ def _time_layer(
     return t_f, t_i, t_w, t_fused, out
 
 
+@contextlib.contextmanager
+def profiling_threads(threads: int) -> Iterator[Callable[[], float]]:
+    """Torch on ``threads`` threads inside the block (the previous count restored after), as
+    each pipeline process runs; yields the clock to time layers with: this process's CPU time
+    on one thread, which other processes' load does not inflate, else wall time.
+
+    Example:
+        >>> with profiling_threads(1) as clock:
+        ...     clock is time.process_time and torch.get_num_threads() == 1
+        True
+    """
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield time.process_time if threads == 1 else time.perf_counter
+    finally:
+        torch.set_num_threads(before)
+
+
 def profile_layers(
     layers: Sequence[nn.Module],
     make_input: Callable[[int], Any],
@@ -404,15 +424,10 @@ def profile_config(
             f"profile: measuring {len(missing)} microbatch size(s) {missing} on this process "
             f"({repeats} timed runs + 1 warm-up per layer and size)"
         )
-    clock = time.process_time if threads == 1 else time.perf_counter
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with profiling_threads(threads) as clock:
         fresh = profile_model(
             model, batch, missing, repeats=repeats, model_hash=digest, log=log, clock=clock
         )
-    finally:
-        torch.set_num_threads(before)
     note = (
         f"timed with {'process CPU time' if threads == 1 else 'wall time'}, {threads} torch "
         f"thread(s) (as each of {world} processes on {os.cpu_count()} CPUs)"
