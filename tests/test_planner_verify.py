@@ -9,8 +9,8 @@ table), not accuracy (benchmarks/results/planner.md measures that).
 
 from __future__ import annotations
 
+import json
 import math
-import os
 import sys
 from pathlib import Path
 
@@ -325,10 +325,16 @@ def test_bench_planner_quick(tmp_path):
     from benchmarks import bench_planner
 
     out = tmp_path / "planner.md"
-    summary = bench_planner.main(["--quick", "--out", str(out), "--timeout", "180"])
+    argv = ["--quick", "--rounds", "2", "--out", str(out), "--timeout", "180"]
+    summary = bench_planner.main(argv)
     assert summary["measured"] == summary["shapes"] >= 2
     assert summary["step_worst"] is not None and summary["act_worst"] is not None
     text = out.read_text()
     assert "## Summary" in text and "| pp | vpp |" in text
-    assert os.path.exists(tmp_path / "planner.jsonl")
+    assert "the fastest of 2 runs, one per round" in text
+    rows = [json.loads(line) for line in (tmp_path / "planner.jsonl").read_text().splitlines()]
+    for row in rows[:-1]:  # every shape measured in both rounds, the faster one kept
+        assert len(row["rounds_s"]) == 2 and row["measured_s"] == min(row["rounds_s"]), row
+    cal = rows[-1]["meta"]["calibration"]
+    assert cal["step_s"] == min(cal["round_steps_s"]) and len(cal["round_steps_s"]) == 2
     assert (tmp_path / "planner.png").stat().st_size > 0  # predicted vs measured
