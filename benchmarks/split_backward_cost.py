@@ -11,7 +11,10 @@ round by round in a random order, so drift and contention hit all of them alike:
   :meth:`~lightning_pp.split_backward.WeightWork.run` (``I`` and ``W`` alone);
 * ``engine``: the forward under a :class:`~lightning_pp.saved_for_w.SavedForW` and ``I``
   followed by ``work.nodes()`` and the trim, as ``engine_step`` runs a split schedule (the
-  trim counts in ``t_i``: the engine does it inside the ``I`` action).
+  trim counts in ``t_i``: the engine does it inside the ``I`` action);
+* ``torch``: torch's own split, ``torch.distributed.pipelining._backward``'s
+  ``stage_backward_input`` then ``stage_backward_weight`` (what its ZB-H1 and ZB-V schedules
+  run), on the same stage: how far a split's cost is autograd's rather than ours.
 
 Every phase is timed with ``time.perf_counter`` (wall) and ``time.thread_time`` (this
 thread's CPU time: a busy machine stretches the wall figure, much less the CPU one). Torch
@@ -136,6 +139,9 @@ def one_round(
 ) -> None:
     """One forward + backward in ``mode``; phases land in ``CLOCK``."""
     x = x0.detach().requires_grad_(True)
+    if mode == "torch":
+        _torch_round(stage, x, dy)
+        return
     kept = None
     with CLOCK.phase("F"):
         if mode.startswith("engine"):
@@ -170,6 +176,23 @@ def one_round(
         del work
 
 
+def _torch_round(stage: nn.Module, x: torch.Tensor, dy: torch.Tensor) -> None:
+    """torch's split backward (its runtime keeps the stage output whole: no release)."""
+    from torch.distributed.pipelining._backward import (
+        stage_backward_input,
+        stage_backward_weight,
+    )
+
+    with CLOCK.phase("F"):
+        y = stage(x)
+    with CLOCK.phase("I"):
+        _, groups = stage_backward_input([y], [dy], [x], stage.parameters())
+        del y
+    with CLOCK.phase("W"):
+        stage_backward_weight(stage.parameters(), groups)
+        del groups
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--iters", type=int, default=200)
@@ -190,7 +213,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     instrument(sb)
-    impls: dict[str, Any] = {"fused": sb, "split": sb, "engine": sb}
+    impls: dict[str, Any] = {"fused": sb, "split": sb, "engine": sb, "torch": None}
     if args.baseline:
         base = load_baseline(args.baseline)
         instrument(base)
