@@ -40,12 +40,10 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.harness import RankStats, gather_floats, launch, machine_info, timed_step
+from benchmarks.ours import build_ours_engine
 from benchmarks.peer_torch import build_torch_step
 from benchmarks.workloads import Workload
-from lightning_pp.engine import PipelineEngine
-from lightning_pp.partition import PipelineChunk, partition_layers
 from lightning_pp.recompute_plan import RecomputeBudgetError, plan_auto
-from lightning_pp.schedules import build_schedule
 from lightning_pp.topology import PipelineTopology, build_process_groups
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")
@@ -69,30 +67,11 @@ class _Ours:
     """lightning_pp's engine on this rank, with its meter on."""
 
     def __init__(self, spec: Spec, schedule: str, rank: int, device, groups, recompute) -> None:
-        w = spec.workload
-        layers = w.build_layers(spec.pp)
-        self.sched = build_schedule(
-            schedule, pp=spec.pp, microbatches=spec.microbatches, vpp=VPP[schedule]
-        )
-        ranges = partition_layers(len(layers), spec.pp, self.sched.vpp)
-        chunks = [
-            PipelineChunk([layers[i] for i in ranges[s]], ranges[s]).to(device)
-            for s in self.sched.stages_of(rank)
-        ]
-        topo = PipelineTopology.from_world(dist.get_world_size(), rank, pp=spec.pp)
-        self.engine = PipelineEngine(
-            chunks,
-            self.sched,
-            topo,
-            groups,
-            loss_fn=lambda out, mb: Workload.loss_fn(out, mb[1]),
-            device=device,
-            static_shapes=True,
-            measure_memory=True,
-            recompute=recompute,
-        )
-        self.params = [p for c in chunks for p in c.parameters()]
-        self.is_last = rank == self.sched.locate(self.sched.num_stages - 1)[0]
+        self.engine, self.params, self.is_last = build_ours_engine(
+            spec.workload, schedule, spec.pp, VPP[schedule], spec.microbatches, rank, device,
+            groups=groups, measure_memory=True, recompute=recompute,
+        )  # fmt: skip
+        self.sched = self.engine.schedule
         self.peak = 0.0
         self.plan = None
         self.budget: int | None = None

@@ -9,6 +9,7 @@ Example (inside an initialised process group of ``pp`` ranks):
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -25,6 +26,46 @@ from .workloads import Workload
 
 # Both sides agree activation shapes once (torch's peer gets static metadata too).
 STATIC_SHAPES = True
+
+
+def build_ours_engine(
+    workload: Workload,
+    schedule: str,
+    pp: int,
+    vpp: int,
+    microbatches: int,
+    rank: int,
+    device: torch.device,
+    *,
+    groups: Any = None,
+    wrap: Callable[[int, PipelineChunk], nn.Module] | None = None,
+    **engine_kw: Any,
+) -> tuple[PipelineEngine, list[nn.Parameter], bool]:
+    """This rank's :class:`PipelineEngine` over the workload's layers: ``(engine, local
+    parameters, holds the last stage)``. Chunks follow the schedule's placement (V for zbv),
+    each passed through ``wrap(local chunk index, chunk)`` if given (a meter); ``groups``: process
+    groups to share (built for this topology when ``None``); ``engine_kw`` go to the engine.
+    """
+    layers = workload.build_layers(pp)
+    sched = build_schedule(schedule, pp=pp, microbatches=microbatches, vpp=vpp)
+    ranges = partition_layers(len(layers), pp, sched.vpp)
+    chunks = []
+    for c, s in enumerate(sched.stages_of(rank)):
+        chunk = PipelineChunk([layers[i] for i in ranges[s]], ranges[s])
+        chunks.append((wrap(c, chunk) if wrap is not None else chunk).to(device))
+    topo = PipelineTopology.from_world(dist.get_world_size(), rank, pp=pp)
+    engine = PipelineEngine(
+        chunks,
+        sched,
+        topo,
+        groups if groups is not None else build_process_groups(topo),
+        loss_fn=lambda out, mb: Workload.loss_fn(out, mb[1]),
+        device=device,
+        static_shapes=STATIC_SHAPES,
+        **engine_kw,
+    )
+    params = [p for c in chunks for p in c.parameters()]
+    return engine, params, rank == sched.locate(sched.num_stages - 1)[0]
 
 
 def build_ours_step(
@@ -45,34 +86,20 @@ def build_ours_step(
     ``monitor=False`` turns the engine's failure monitor off (``abort_on_failure=False``);
     ``recv_lookahead`` overrides the engine's default.
     """
-    layers = workload.build_layers(pp)
-    sched = build_schedule(schedule, pp=pp, microbatches=microbatches, vpp=vpp)
-    ranges = partition_layers(len(layers), pp, sched.vpp)
-    chunks = []
-    for c, s in enumerate(sched.stages_of(rank)):  # the schedule's placement (V for zbv)
-        r = ranges[s]
-        mine = [layers[i] for i in r]
+    split = build_schedule(schedule, pp=pp, microbatches=microbatches, vpp=vpp).split_backward
+
+    def metered(c: int, chunk: PipelineChunk) -> nn.Module:
         # Same cut as the peer, layer for layer: the comparison is only fair if it holds.
-        peer = stage_layers(layers, torch_stage(schedule, c, pp, rank), pp * vpp)
-        assert all(a is b for a, b in zip(mine, peer)) and len(mine) == len(peer)
+        every = list(range(workload.layers_per_rank * pp))
+        peer = stage_layers(every, torch_stage(schedule, c, pp, rank), pp * vpp)
+        assert chunk.layer_indices == peer, (c, chunk.layer_indices, peer)
         # the same meter as the peer's (no weight hook under a split backward, see Instrumented)
-        meter = Instrumented(PipelineChunk(mine, r), stats, weight_hook=not sched.split_backward)
-        chunks.append(meter.to(device))
-    topo = PipelineTopology.from_world(dist.get_world_size(), rank, pp=pp)
-    groups = build_process_groups(topo)
-    engine = PipelineEngine(
-        chunks,
-        sched,
-        topo,
-        groups,
-        loss_fn=lambda out, mb: Workload.loss_fn(out, mb[1]),
-        device=device,
-        static_shapes=STATIC_SHAPES,
-        abort_on_failure=monitor,
-        recv_lookahead=recv_lookahead,
-    )
-    params = [p for c in chunks for p in c.parameters()]
-    is_last = rank == sched.locate(sched.num_stages - 1)[0]
+        return Instrumented(chunk, stats, weight_hook=not split)
+
+    engine, params, is_last = build_ours_engine(
+        workload, schedule, pp, vpp, microbatches, rank, device,
+        wrap=metered, abort_on_failure=monitor, recv_lookahead=recv_lookahead,
+    )  # fmt: skip
     records: list = []  # the engine's step records (measured per-action compute: t_i, t_w)
 
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
