@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import random
+import time
 from pathlib import Path
 
 import pytest
@@ -102,6 +103,42 @@ def test_profiler_measures_every_layer_and_size():
     assert first.params == 72 and first.param_bytes == 288 and first.boundary_bytes == 128
     assert all(c.t_f > 0 and c.t_i > 0 and c.t_w > 0 for c in costs[4])
     assert all(c.t_fused is not None and c.t_fused > 0 for c in costs[4])
+
+
+class _Logged(nn.Module):
+    """Records each forward's (name, samples); ``slow`` of them (by count) sleep 50 ms."""
+
+    def __init__(self, name: str, calls: list, slow: set[int]) -> None:
+        super().__init__()
+        self.name, self.calls, self.slow = name, calls, slow
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        self.calls.append((self.name, x.shape[0]))
+        if len(self.calls) in self.slow:
+            time.sleep(0.05)
+        return self.lin(x)
+
+
+def test_profiler_spreads_repeats_over_passes_and_keeps_the_fastest():
+    """A layer's timed runs are one per pass through every size and layer, not back to back, so
+    a slow stretch of the machine costs one run; the fastest run is kept (a 50 ms stall on the
+    last pass's run does not show)."""
+
+    def blocks(calls: list) -> list[int]:  # where each run of consecutive ("a", 2) calls starts
+        return [i for i, c in enumerate(calls) if c == ("a", 2) and (i == 0 or calls[i - 1] != c)]
+
+    calls: list = []
+    layers = [_Logged("a", calls, set()), _Logged("b", calls, set())]
+    profile_layers(layers, lambda n: torch.randn(n, 8), [2, 4], repeats=3, log=None)
+    starts = blocks(calls)
+    # the bytes probe's forward, then the three passes' runs, with other layers and sizes between
+    assert len(starts) == 4, calls
+    assert {("b", 2), ("a", 4), ("b", 4)} <= set(calls[starts[2] : starts[3]])
+    calls.clear()
+    layers[0].slow = {starts[3] + 1}  # the last pass's forward of layer a at 2 samples
+    costs = profile_layers(layers, lambda n: torch.randn(n, 8), [2, 4], repeats=3, log=None)
+    assert len(calls) > starts[3] and costs[2][0].t_f < 0.01
 
 
 def test_profiled_bytes_do_not_depend_on_where_the_allocator_puts_tensors():
