@@ -272,7 +272,7 @@ def profile_layers(
     The ``repeats`` timed runs of a layer are spread over the whole profile: one per pass over
     every size and layer (the first pass warms each layer up first), each time the fastest of
     its passes. A slow stretch of a shared machine, seconds long, then costs a layer one pass,
-    not all its runs: three profiles of the same transformer layers back to back summed their
+    not all its runs: four profiles of the same transformer layers back to back summed their
     forwards to 7.8-11.9 ms at one sample with the repeats run back to back, 7.9-9.5 ms as
     passes (benchmarks: the planner's transformer workload, 2-vCPU guest).
     """
