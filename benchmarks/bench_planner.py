@@ -55,7 +55,7 @@ from benchmarks.harness import machine_info
 from lightning_pp.plan import PreflightError
 from lightning_pp.planner.profile import DEFAULT_LATENCY_S, DEFAULT_OVERHEAD_S, ModelProfile
 from lightning_pp.planner.profiler import profile_layers, profiling_threads
-from lightning_pp.planner.search import make_candidate, predict
+from lightning_pp.planner.search import describe_shape, make_candidate, predict
 from lightning_pp.planner.verify import (
     BuiltModel,
     RunSpec,
@@ -293,7 +293,7 @@ def run(
                 if partial is not None and meas is not None:  # a later timeout loses nothing
                     with open(partial, "a") as f:
                         cand = shapes[i][0]
-                        row = {"round": r, "shape": _label_of(cand), "steps_s": meas.steps_s}
+                        row = {"round": r, "shape": describe_shape(cand), "steps_s": meas.steps_s}
                         f.write(json.dumps(row) + "\n")
     cal = min(cals, key=lambda c: c["step_s"])
     cal["rounds"] = rounds
@@ -339,13 +339,6 @@ def run(
             )
         recs.append(rec)
     return recs, cal
-
-
-def _label_of(cand: Any) -> str:
-    return (
-        f"dp={cand.dp} pp={cand.pp} vpp={cand.vpp} m={cand.microbatches} {cand.schedule} "
-        f"{cand.split} {'/'.join(map(str, cand.counts))}"
-    )
 
 
 def summarize(recs: list[dict]) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from torch import nn
 
 from lightning_pp.engine import PipelineEngine
 from lightning_pp.partition import PipelineChunk, partition_layers
-from lightning_pp.schedules import build_schedule
+from lightning_pp.schedules import Schedule, build_schedule
 from lightning_pp.topology import PipelineTopology, build_process_groups
 
 from .harness import Instrumented, RankStats
@@ -38,13 +38,14 @@ def build_ours_engine(
     device: torch.device,
     *,
     groups: Any = None,
-    wrap: Callable[[int, PipelineChunk], nn.Module] | None = None,
+    wrap: Callable[[Schedule, int, PipelineChunk], nn.Module] | None = None,
     **engine_kw: Any,
 ) -> tuple[PipelineEngine, list[nn.Parameter], bool]:
     """This rank's :class:`PipelineEngine` over the workload's layers: ``(engine, local
     parameters, holds the last stage)``. Chunks follow the schedule's placement (V for zbv),
-    each passed through ``wrap(local chunk index, chunk)`` if given (a meter); ``groups``: process
-    groups to share (built for this topology when ``None``); ``engine_kw`` go to the engine.
+    each passed through ``wrap(schedule, local chunk index, chunk)`` if given (a meter);
+    ``groups``: process groups to share (built for this topology when ``None``); ``engine_kw``
+    go to the engine.
     """
     layers = workload.build_layers(pp)
     sched = build_schedule(schedule, pp=pp, microbatches=microbatches, vpp=vpp)
@@ -52,7 +53,7 @@ def build_ours_engine(
     chunks = []
     for c, s in enumerate(sched.stages_of(rank)):
         chunk = PipelineChunk([layers[i] for i in ranges[s]], ranges[s])
-        chunks.append((wrap(c, chunk) if wrap is not None else chunk).to(device))
+        chunks.append((wrap(sched, c, chunk) if wrap is not None else chunk).to(device))
     topo = PipelineTopology.from_world(dist.get_world_size(), rank, pp=pp)
     engine = PipelineEngine(
         chunks,
@@ -86,15 +87,14 @@ def build_ours_step(
     ``monitor=False`` turns the engine's failure monitor off (``abort_on_failure=False``);
     ``recv_lookahead`` overrides the engine's default.
     """
-    split = build_schedule(schedule, pp=pp, microbatches=microbatches, vpp=vpp).split_backward
 
-    def metered(c: int, chunk: PipelineChunk) -> nn.Module:
+    def metered(sched: Schedule, c: int, chunk: PipelineChunk) -> nn.Module:
         # Same cut as the peer, layer for layer: the comparison is only fair if it holds.
         every = list(range(workload.layers_per_rank * pp))
         peer = stage_layers(every, torch_stage(schedule, c, pp, rank), pp * vpp)
         assert chunk.layer_indices == peer, (c, chunk.layer_indices, peer)
         # the same meter as the peer's (no weight hook under a split backward, see Instrumented)
-        return Instrumented(chunk, stats, weight_hook=not split)
+        return Instrumented(chunk, stats, weight_hook=not sched.split_backward)
 
     engine, params, is_last = build_ours_engine(
         workload, schedule, pp, vpp, microbatches, rank, device,

@@ -183,7 +183,6 @@ def _receives(records: Sequence[StepRecord], offsets: list[float]):
     all aligned. The send time is the sender's ``send_time`` (its ``end`` in records without
     one, e.g. simulated timelines, whose dependencies count from the end)."""
     schedule = records[0].schedule
-    last = schedule.num_stages - 1
     # (forward?, mb, stage) -> aligned send time; a gradient is sent by a B or an I
     sent: dict[tuple[bool, int, int], float] = {}
     for rec, off in zip(records, offsets):
@@ -196,13 +195,11 @@ def _receives(records: Sequence[StepRecord], offsets: list[float]):
     out = []
     for rec, off in zip(records, offsets):
         for e in rec.events:
-            stage = schedule.stage(rec.pp_rank, e.action.chunk)
-            if e.action.op is Op.F and stage > 0:
-                t = sent.get((True, e.action.mb, stage - 1))
-            elif e.action.op.is_backward and stage < last:
-                t = sent.get((False, e.action.mb, stage + 1))
-            else:
+            if not receives(schedule, rec.pp_rank, e.action):
                 continue
+            stage = schedule.stage(rec.pp_rank, e.action.chunk)
+            forward = e.action.op is Op.F  # from the stage before; a gradient from the one after
+            t = sent.get((forward, e.action.mb, stage - 1 if forward else stage + 1))
             if t is not None:
                 out.append((e.start - off, e.comm_wait, t))
     return out

@@ -8,8 +8,8 @@ one fused backward (``B``; the fused schedules run it, and it costs less than ``
 bytes autograd saves (the engine's saved-bytes meter's rule, through
 :func:`~lightning_pp.recompute_plan.measure_chunk`); parameter, input and output bytes. Each
 time is the fastest of ``repeats`` runs after one warm-up, the runs spread over ``repeats``
-passes through the whole model (see :func:`_time_layer` for why not the median, and
-:func:`profile_layers` for why passes).
+passes through the whole model (see :func:`profile_layers` for why the fastest and why
+passes).
 
 On a CPU host with one torch thread per process the times are process CPU time, not wall
 time (see :func:`profile_config`). Link latency, bandwidth and the engine's per-action
@@ -191,22 +191,14 @@ def _kept_for_w_per_layer(
 def _time_layer(
     layer: nn.Module,
     x: Any,
-    repeats: int,
     clock: Callable[[], float] = time.perf_counter,
     *,
     warmup: bool = True,
 ) -> tuple[float, float, float, float, Any]:
-    """Fastest (t_f, t_i, t_w, t_fused) over ``repeats`` (after one untimed warm-up run unless
-    ``warmup=False``); and one output. ``t_fused``: a second forward, then one fused backward,
-    timed (the backward alone).
-
-    The minimum, not the median: on a shared machine the noise is one-sided (another process
-    takes the core, a layer never runs faster than its work), and a median of three is still
-    the stalled value when two of the three runs were preempted, as measured at ``nice 19``
-    next to a busy process (a 20x outlier at one size, the sizes around it normal)."""
-    runs: list[tuple[float, float, float, float]] = []
-    out: Any = None
-    for r in range(repeats + int(warmup)):
+    """One timed run's (t_f, t_i, t_w, t_fused), after one untimed warm-up run unless
+    ``warmup=False`` (it warms caches and the allocator); and its output. ``t_fused``: a second
+    forward, then one fused backward, timed (the backward alone)."""
+    for _ in range(int(warmup) + 1):
         inp = _fresh(x)
         t0 = clock()
         with torch.enable_grad():
@@ -227,10 +219,7 @@ def _time_layer(
         t6 = clock()
         for p in layer.parameters():
             p.grad = None
-        if r or not warmup:  # the first run warms caches and allocator: not timed
-            runs.append((t1 - t0, t3 - t2, t4 - t3, t6 - t5))
-    t_f, t_i, t_w, t_fused = (min(col) for col in zip(*runs))
-    return t_f, t_i, t_w, t_fused, out
+    return t1 - t0, t3 - t2, t4 - t3, t6 - t5, out
 
 
 @contextlib.contextmanager
@@ -271,8 +260,12 @@ def profile_layers(
 
     The ``repeats`` timed runs of a layer are spread over the whole profile: one per pass over
     every size and layer (the first pass warms each layer up first), each time the fastest of
-    its passes. A slow stretch of a shared machine, seconds long, then costs a layer one pass,
-    not all its runs: four profiles of the same transformer layers back to back summed their
+    its passes. The minimum, not the median: on a shared machine the noise is one-sided
+    (another process takes the core, a layer never runs faster than its work), and a median of
+    three is still the stalled value when two of the three runs were preempted, as measured at
+    ``nice 19`` next to a busy process (a 20x outlier at one size, the sizes around it normal).
+    Passes: a slow stretch of a shared machine, seconds long, then costs a layer one pass, not
+    all its runs: four profiles of the same transformer layers back to back summed their
     forwards to 7.8-11.9 ms at one sample with the repeats run back to back, 7.9-9.5 ms as
     passes (benchmarks: the planner's transformer workload, 2-vCPU guest).
     """
@@ -287,7 +280,7 @@ def profile_layers(
             x = make_input(n)
             storages = _saved_per_layer(layers, x) if p == 0 else None
             for i, layer in enumerate(layers):
-                *times, y = _time_layer(layer, x, 1, clock, warmup=p == 0)
+                *times, y = _time_layer(layer, x, clock, warmup=p == 0)
                 key = (n, i)
                 if storages is not None:
                     first[key] = dict(
