@@ -8,10 +8,14 @@ round by round in a random order, so drift and contention hit all of them alike:
 
 * ``fused``: a plain forward, then one fused backward (what 1f1b's ``B`` runs);
 * ``split``: a plain forward, then :func:`~lightning_pp.split_backward.backward_input` and
-  :meth:`~lightning_pp.split_backward.WeightWork.run` (``I`` and ``W`` alone);
-* ``engine``: the forward under a :class:`~lightning_pp.saved_for_w.SavedForW` and ``I``
-  followed by ``work.nodes()`` and the trim, as ``engine_step`` runs a split schedule (the
-  trim counts in ``t_i``: the engine does it inside the ``I`` action);
+  :meth:`~lightning_pp.split_backward.WeightWork.run` (``I`` and ``W`` alone), the graph
+  retained from ``I`` to ``W`` (``W`` computes a Linear's and a norm's weight gradients
+  directly: :mod:`~lightning_pp.weight_grad_direct`);
+* ``engine``: as ``engine_step`` runs a split schedule: ``I`` with ``free_graph=True`` (where
+  every layer ``W`` runs is a Linear or a norm, ``I`` frees the graph as it runs and ``W``
+  keeps only their inputs), the forward then without hooks; otherwise the forward under a
+  :class:`~lightning_pp.saved_for_w.SavedForW`, and ``I`` followed by ``work.nodes()`` and the
+  trim (the trim counts in ``t_i``: the engine does it inside the ``I`` action);
 * ``torch``: torch's own split, ``torch.distributed.pipelining._backward``'s
   ``stage_backward_input`` then ``stage_backward_weight`` (what its ZB-H1 and ZB-V schedules
   run), on the same stage: how far a split's cost is autograd's rather than ours.
@@ -41,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import inspect
 import json
 import os
 import random
@@ -119,6 +124,7 @@ def load_baseline(path: str) -> Any:
     spec = importlib.util.spec_from_file_location("split_backward_baseline", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    module.__package__ = "lightning_pp"  # its relative imports resolve in the installed package
     sys.modules[spec.name] = module  # dataclasses look their module up
     spec.loader.exec_module(module)
     return module
@@ -134,6 +140,9 @@ def build(layers: int, dim: int, heads: int, seed: int) -> nn.Module:
     return nn.Sequential(*[Block(dim, heads) for _ in range(layers)])
 
 
+_GRAPH_FREE: dict[int, bool] = {}  # per implementation: its last engine-mode I freed the graph
+
+
 def one_round(
     stage: nn.Module, x0: torch.Tensor, dy: torch.Tensor, mode: str, impl: Any = sb
 ) -> None:
@@ -143,8 +152,11 @@ def one_round(
         _torch_round(stage, x, dy)
         return
     kept = None
+    engine = mode.startswith("engine")
+    # as StepRun: once a chunk's I freed its graph, its forwards skip the SavedForW hooks
+    free = engine and "free_graph" in inspect.signature(impl.backward_input).parameters
     with CLOCK.phase("F"):
-        if mode.startswith("engine"):
+        if engine and not _GRAPH_FREE.get(id(impl), False):
             kept = SavedForW()
             with kept.hooks():
                 y = stage(x)
@@ -161,9 +173,12 @@ def one_round(
         return
     _context[0] = "I"
     with CLOCK.phase("I"):
-        dx, work = impl.backward_input((y,), (dy,), (x,))
-        del y  # the graph lives on in `work` until W
-        if kept is not None:
+        dx, work = impl.backward_input((y,), (dy,), (x,), **({"free_graph": True} if free else {}))
+        del y  # the graph (or what W captured) lives on in `work` until W
+        freed = getattr(work, "graph_freed", False)
+        if engine:
+            _GRAPH_FREE[id(impl)] = freed
+        if kept is not None and not freed:
             with CLOCK.phase("I.nodes"):
                 w_nodes = work.nodes()
             with CLOCK.phase("I.trim"):

@@ -218,6 +218,11 @@ class PipelineEngine:
         self.measure_memory = measure_memory
         self.chunk_gets_microbatch = chunk_gets_microbatch
         self._steps = 0
+        # Per local chunk: whether its latest split-backward I freed the graph (every layer W
+        # runs is a Linear or a norm, captured: split_backward.backward_input(free_graph=True)).
+        # Its forwards then skip the SavedForW hooks, which only serve to trim a RETAINED graph;
+        # one whose graph turns out not to qualify is retained untrimmed, and the flag drops.
+        self.graph_free: list[bool] = [False] * len(self.chunks)
         self.recompute = parse_recompute(recompute)
         self.recompute_targets: Targets = [[] for _ in self.chunks]
         self.recompute_again: list[nn.Module] = []

@@ -457,10 +457,15 @@ class StepRun:
     ) -> tuple[Any, SavedForW | None]:
         """The chunk's forward; under a split backward (not on the first stage, whose ``I``
         is a no-op) with its saved tensors in a :class:`SavedForW`, which ``I`` trims to what
-        ``W`` needs."""
+        ``W`` needs, unless the chunk's ``I`` frees the graph (``engine.graph_free``)."""
         engine = self.engine
         chunk = engine.chunks[c]
-        if self.train and engine.schedule.split_backward and not self.places[c].first:
+        if (
+            self.train
+            and engine.schedule.split_backward
+            and not self.places[c].first
+            and not engine.graph_free[c]
+        ):
             kept = SavedForW(self._saved_key if engine.measure_memory else None)
             with kept.hooks():
                 out = chunk(*args)
@@ -516,10 +521,13 @@ class StepRun:
             # Until W the microbatch holds only what W's nodes unpack again (a Linear's input,
             # not a GELU's): what the forward saved is trimmed to that, and a recomputed region
             # (RecomputeOnce), which ran its forward again here, once, keeps only that of it.
+            # Where every layer W runs is a Linear or a norm, I frees the graph as it runs and
+            # W keeps only their inputs (not with a recomputed region: W may recompute it).
             t0 = time.perf_counter()
-            dx, work = backward_input(tensors, grads, entry.inputs)
+            dx, work = backward_input(tensors, grads, entry.inputs, free_graph=not entry.frames)
             self.layer_s = time.perf_counter() - t0
-            if entry.kept is not None or entry.frames:
+            self.engine.graph_free[c] = work.graph_freed
+            if not work.graph_freed and (entry.kept is not None or entry.frames):
                 w_nodes = work.nodes()
                 if entry.kept is not None:
                     entry.kept.trim(w_nodes)
@@ -528,7 +536,7 @@ class StepRun:
                         frame.release()
                     else:
                         frame.trim(w_nodes)
-            self.stash.defer(c, entry, work, saved=self._held_until_w(entry))
+            self.stash.defer(c, entry, work, saved=self._held_until_w(entry, work))
             got = [g for t, g in zip(entry.inputs, dx) if t.is_floating_point()]
         else:
             t0 = time.perf_counter()
@@ -545,11 +553,19 @@ class StepRun:
             self.engine.finite_checker.input_grads(action, in_grads)
         return [Message(GRAD, place.prev_rank, place.stage - 1, mb, in_grads, True)]
 
-    def _held_until_w(self, entry: _Entry) -> int:
+    def _held_until_w(self, entry: _Entry, work: WeightWork) -> int:
         """Bytes the entry holds from ``I`` to ``W``, for the memory meter: what its forward
-        saved (after the trim) and what its recomputed regions refilled, each storage once."""
+        saved (after the trim) and what its recomputed regions refilled, each storage once; for
+        a graph freed at ``I``, what ``W`` captured of it (layer inputs, norm statistics)."""
         if not self.engine.measure_memory:
             return 0
+        if work.graph_freed:
+            keys: dict[Any, int] = {}
+            for t in work.held():
+                counted = self._saved_key(t)
+                if counted is not None:
+                    keys[counted[0]] = counted[1]
+            return sum(keys.values())
         keys = entry.kept.counted() if entry.kept is not None else dict(entry.saved_keys)
         for frame in entry.frames:
             for t in frame.held():

@@ -48,11 +48,14 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch.autograd.graph import GradientEdge, Node
+
+from .weight_grad_direct import DIRECT_KINDS, DirectJob, capture, direct_allowed, run_direct
 
 __all__ = [
     "SPLIT_SAFE_ATTR",
@@ -66,6 +69,11 @@ SPLIT_SAFE_ATTR = "split_backward_safe"
 """A custom ``autograd.Function`` class attribute: ``True`` says its backward may run in both
 ``I`` and ``W`` (it is cheap, or it computes only what ``ctx.needs_input_grad`` asks for at
 run time); without it, a Function at an intermediate makes that microbatch's backward fused."""
+
+DIRECT_WEIGHT_GRADS = True
+"""Whether ``W`` computes a Linear's or a LayerNorm's weight gradients directly
+(:mod:`~lightning_pp.weight_grad_direct`: the same operators, without an engine call per layer)
+rather than through the autograd engine. Off only to measure the difference."""
 
 _run_backward = torch.autograd.Variable._execution_engine.run_backward  # type: ignore[attr-defined]
 
@@ -90,6 +98,9 @@ class _Group:
     # whether W's call for this group must retain the graph: some node it runs runs in another
     # group's call too (a weight used twice, with another layer between its uses)
     retain: bool = True
+    # :data:`~lightning_pp.weight_grad_direct.DIRECT_KINDS` kind of the one root, where W may
+    # compute it without the engine (``None``: the engine call)
+    direct: str | None = None
 
 
 @dataclass
@@ -105,6 +116,18 @@ class WeightWork:
     # held so their ids stay unique until W (saved_for_w keys node users by id)
     graph_nodes: list[Node] | None = None
     run_positions: tuple[int, ...] = ()
+    # the graph-free form (``backward_input(free_graph=True)``): one captured layer per W
+    # group and the gradient I kept for it; ``groups`` is then empty and no node is held
+    jobs: list[tuple[DirectJob, torch.Tensor | None]] = field(default_factory=list)
+    #: whether ``I`` freed the graph (``W`` holds only :meth:`held`)
+    graph_freed: bool = False
+
+    def held(self) -> list[torch.Tensor]:
+        """The saved tensors a graph-free ``W`` keeps alive until it runs: each layer's input
+        (and a norm's statistics). Not counted here, as a retained graph's are not either: the
+        gradient that flowed into each layer during ``I`` (one per layer, the size of its
+        output)."""
+        return [t for job, _ in self.jobs for t in job.held()]
 
     def nodes(self) -> set[Node]:
         """The nodes :meth:`run` will execute (empty once run, or with nothing to run): a
@@ -124,17 +147,33 @@ class WeightWork:
         does) unless one of them runs in another group's call too (``_Group.retain``).
         """
         groups, self.groups = self.groups, []
+        jobs, self.jobs = self.jobs, []
         self.graph_nodes = None
+        with torch.no_grad():  # the direct path's operators must not record a graph
+            if jobs:
+                # no engine to fall back to (the graph is gone): W's operators must run as the
+                # engine's would, whatever autocast the caller has on around W
+                with _no_autocast():
+                    for job, g in jobs:
+                        if g is not None:
+                            job.run(g)
+                return
+            self._run_groups(groups, DIRECT_WEIGHT_GRADS and direct_allowed())
+
+    @staticmethod
+    def _run_groups(groups: list[_Group], direct: bool) -> None:
         for group in groups:
             if len(group.roots) == 1 and len(group.grads[0]) == 1:
                 # the common case (a Linear's or a norm's node): one root, one gradient, no
                 # clamp to install
                 g = group.grads[0][0]
-                if g is not None:
-                    edge = GradientEdge(group.roots[0], 0)
-                    _run_backward(
-                        (edge,), (g,), group.retain, False, tuple(group.weights), True, True
-                    )
+                if g is None:
+                    continue
+                root = group.roots[0]
+                if direct and group.direct and run_direct(group.direct, root, g, group.weights):
+                    continue
+                edge = GradientEdge(root, 0)
+                _run_backward((edge,), (g,), group.retain, False, tuple(group.weights), True, True)
                 continue
             edges, grads = [], []
             for node, node_grads in zip(group.roots, group.grads):
@@ -164,6 +203,23 @@ class WeightWork:
             finally:
                 for h in handles:
                     h.remove()
+
+
+@contextlib.contextmanager
+def _no_autocast() -> Iterator[None]:
+    """Autocast off on every device type that has it on (a no-op, and free, when none has)."""
+    if not torch._C._is_any_autocast_enabled():
+        yield
+        return
+    with contextlib.ExitStack() as stack:
+        for device in ("cpu", "cuda", "xpu", "mps", "hpu"):
+            try:
+                on = torch.is_autocast_enabled(device)
+            except RuntimeError:  # a device type this build does not know
+                continue
+            if on:
+                stack.enter_context(torch.autocast(device, enabled=False))
+        yield
 
 
 def _node_of(t: torch.Tensor) -> Node | None:
@@ -246,6 +302,13 @@ class _Plan:
     ``groups``: ``(root positions, weight accumulator positions)`` per set of roots that share
     weights. ``run``: the nodes ``W``'s engine calls execute when every root has a gradient.
     ``retain``: per group, whether a node its call runs runs in another group's call too.
+    ``direct_kinds``: per group, the :data:`~lightning_pp.weight_grad_direct.DIRECT_KINDS` kind of
+    its root where the group is one intermediate of such a type (``None`` otherwise). Only an
+    intermediate: any weight below its input edge would belong to another intermediate of the
+    same group, so its weight edges reach all the group's weights; a root off the input path
+    (the first stage's) reaches more weights through its input edge too. ``all_direct``: every
+    group has a kind and no output starts ``W`` off the input path, so ``W`` can run from what
+    :func:`~lightning_pp.weight_grad_direct.capture` keeps, without the graph.
     """
 
     reason: str = ""
@@ -255,6 +318,8 @@ class _Plan:
     groups: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...] = ()
     run: tuple[int, ...] = ()
     retain: tuple[bool, ...] = ()
+    direct_kinds: tuple[str | None, ...] = ()
+    all_direct: bool = False
 
 
 _PLANS: dict[_Signature, _Plan] = {}
@@ -393,6 +458,10 @@ def _analyse(
                 shared |= calls
         for k in kids[i]:
             frm[k] |= bits
+    direct_kinds = tuple(
+        DIRECT_KINDS.get(types[rs[0]].__name__) if len(rs) == 1 and reach_in[rs[0]] else None
+        for rs, _ in groups
+    )
     return _Plan(
         inter=tuple(inter),
         in_root=in_root,
@@ -400,6 +469,10 @@ def _analyse(
         groups=groups,
         run=tuple(run),
         retain=tuple(bool(shared >> g & 1) for g in range(len(groups))),
+        direct_kinds=direct_kinds,
+        # W needs no node at all: every group is one Linear or norm on the input path (so
+        # every intermediate is a group's root) and no output starts W off that path
+        all_direct=bool(groups) and not direct and all(k is not None for k in direct_kinds),
     )
 
 
@@ -407,10 +480,21 @@ def backward_input(
     outputs: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor],
     inputs: Sequence[torch.Tensor],
+    *,
+    free_graph: bool = False,
 ) -> tuple[tuple[torch.Tensor | None, ...], WeightWork]:
     """``I``: the gradients of ``inputs`` (``None`` for one that gets none) and the
     :class:`WeightWork` for ``W``. ``outputs`` are the stage outputs that take part in backward
-    (or the scaled loss) and ``grads`` their gradients."""
+    (or the scaled loss) and ``grads`` their gradients.
+
+    ``free_graph``: where every layer ``W`` would run is a Linear or a LayerNorm on the input
+    path (:mod:`~lightning_pp.weight_grad_direct`), keep just what their weight gradients read
+    (each one's input, a norm's statistics, the gradient into it) and let ``I`` free the graph
+    as it runs, as a fused backward does: nothing else the forward saved outlives ``I``, and
+    ``W`` makes no engine call. Off for a graph whose saved tensors must stay readable after
+    ``I`` (a recomputed region that ``W`` would recompute again); otherwise, or where a layer
+    does not qualify, the graph is retained for ``W`` as usual.
+    """
     want = [t for t in inputs if t.requires_grad]
     root_nodes = [_node_of(t) for t in outputs]
 
@@ -425,6 +509,10 @@ def backward_input(
             return tuple(None for _ in inputs), WeightWork()
         dx = _run_backward(tuple(outputs), tuple(grads), False, False, tuple(want), True, False)
         return _scatter(inputs, want, dx), WeightWork()
+    if free_graph and plan.all_direct and want and DIRECT_WEIGHT_GRADS and direct_allowed():
+        freed = _backward_input_freeing(outputs, grads, inputs, want, nodes, plan)
+        if freed is not None:
+            return freed
 
     # -- 2. I: the engine from the outputs to the inputs only, capturing the gradient that
     #       flows into each intermediate (an ``inputs=`` edge: the engine keeps it, in C++,
@@ -468,7 +556,7 @@ def backward_input(
 
     # -- 3. W's groups: this graph's nodes at the plan's positions -----------------------------
     groups = []
-    for (rs, accs), retain in zip(plan.groups, plan.retain):
+    for (rs, accs), retain, kind in zip(plan.groups, plan.retain, plan.direct_kinds):
         acc_nodes = [nodes[p] for p in accs]
         groups.append(
             _Group(
@@ -477,9 +565,39 @@ def backward_input(
                 weights=[acc.variable for acc in acc_nodes],  # type: ignore[attr-defined]
                 accumulators=acc_nodes,
                 retain=retain,
+                direct=kind,
             )
         )
     return dx, WeightWork(groups=groups, graph_nodes=nodes, run_positions=plan.run)
+
+
+def _backward_input_freeing(
+    outputs: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    inputs: Sequence[torch.Tensor],
+    want: list[torch.Tensor],
+    nodes: list[Node],
+    plan: _Plan,
+) -> tuple[tuple[torch.Tensor | None, ...], WeightWork] | None:
+    """``I`` with the graph freed as it runs (``backward_input(free_graph=True)``), or ``None``
+    (nothing run) where some layer cannot be captured. Every group is one intermediate here
+    (``plan.all_direct``), and every output is on the input path."""
+    jobs: list[DirectJob] = []
+    edges: list[GradientEdge] = []
+    for (rs, accs), kind in zip(plan.groups, plan.direct_kinds):
+        node = nodes[rs[0]]
+        job = capture(kind, node, [nodes[p].variable for p in accs])  # type: ignore[arg-type,attr-defined]
+        if job is None:
+            return None
+        jobs.append(job)
+        # only the node's first input: a Linear has one output, and a norm's backward reads
+        # only the gradient of its normalized output (not of its mean and rstd)
+        edges.append(GradientEdge(node, 0))
+    got = _run_backward(tuple(outputs), tuple(grads), False, False, (*want, *edges), True, False)
+    a = len(want)
+    return _scatter(inputs, want, got[:a]), WeightWork(
+        jobs=list(zip(jobs, got[a:])), graph_freed=True
+    )
 
 
 def _scan_roots(root_nodes: Sequence[Node | None], nodes: list[Node]) -> list[int]:

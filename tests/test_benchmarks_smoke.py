@@ -148,8 +148,10 @@ def test_recompute_benchmark_runs_and_reports(tmp_path):
 
 def test_split_backward_cost_script(tmp_path):
     """benchmarks/split_backward_cost.py: every mode measured (the baseline here is the
-    current file), W's engine calls one per weight group (6 per block), no timing asserted.
-    A subprocess: the script wraps split_backward's functions to time them."""
+    current file), no timing asserted. A transformer block's W layers are Linears and norms:
+    W makes no engine call, and I one; the engine path frees the graph at I, so after its
+    first round there is nothing to trim. A subprocess: the script wraps split_backward's
+    functions to time them."""
     import subprocess
 
     out = tmp_path / "cost.json"
@@ -169,7 +171,7 @@ def test_split_backward_cost_script(tmp_path):
     assert sorted(data["ratio"]) == sorted(f"{m}.{c}" for m in measured for c in ("wall", "cpu"))
     assert all(r > 0 for r in data["ratio"]["torch.cpu"].values())
     for mode in modes:
-        assert data["calls"][mode]["W.engine"] == 12, mode
+        assert data["calls"][mode].get("W.engine", 0) == 0, mode
         assert data["calls"][mode]["I.engine"] == 1, mode
         assert all(r > 0 for r in data["ratio"][f"{mode}.cpu"].values())
-    assert data["calls"]["engine"]["I.trim"] == 1
+    assert data["calls"]["engine"].get("I.trim", 0) == 0

@@ -278,6 +278,10 @@ def _run_case(rank, case, cache):
             for p in _hook_problems(calls, res.record, engine.schedule.ranks[topo.pp_rank])
         ]
         out["peak_inflight"] = res.record.peak_inflight
+        # per local chunk: (holds stage 0, its I freed the graph)
+        out["graph_free"] = [
+            (engine.places[c].first, engine.graph_free[c]) for c in range(len(chunks))
+        ]
         out["peak_saved"] = res.record.peak_saved_bytes
         out["inflight"] = [ev.inflight for ev in res.record.events]
         opt.step()
@@ -344,3 +348,21 @@ def test_inflight_counts_until_w(world4, name):
         r = res[f"mlp-{name}-pp4-m8"]
         assert r["peak_inflight"] == want[r["pp_rank"]], (r["pp_rank"], r["inflight"])
         assert r["peak_saved"] > 0
+
+
+def test_graph_freed_at_i_where_every_w_layer_is_linear(world4):
+    """The MLP's chunks are Linear + Tanh: their I frees the graph (W keeps the Linear inputs
+    only); the first stage has no I (its W runs the whole backward), and a chunk with a custom
+    autograd.Function or a frozen layer keeps the retained graph. Equivalence for both ways is
+    test_matches_unpipelined."""
+    for name in ("mlp-zb-h1-pp4-m8", "mlp-zbv-pp4-m8"):
+        for res in world4:
+            for first, freed in res[name]["graph_free"]:
+                assert freed == (not first), (name, res[name]["pp_rank"], first, freed)
+    kept = [
+        freed
+        for res in world4
+        for first, freed in res["unsplittable-zbv-pp4-m8"]["graph_free"]
+        if not first
+    ]
+    assert not all(kept), kept
