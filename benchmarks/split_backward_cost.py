@@ -9,11 +9,11 @@ round by round in a random order, so drift and contention hit all of them alike:
 * ``fused``: a plain forward, then one fused backward (what 1f1b's ``B`` runs);
 * ``split``: a plain forward, then :func:`~lightning_pp.split_backward.backward_input` and
   :meth:`~lightning_pp.split_backward.WeightWork.run` (``I`` and ``W`` alone), the graph
-  retained from ``I`` to ``W`` (``W`` computes a Linear's and a norm's weight gradients
-  directly: :mod:`~lightning_pp.weight_grad_direct`);
+  retained from ``I`` to ``W`` (``W`` makes one engine call per layer);
 * ``engine``: as ``engine_step`` runs a split schedule: ``I`` with ``free_graph=True`` (where
-  every layer ``W`` runs is a Linear or a norm, ``I`` frees the graph as it runs and ``W``
-  keeps only their inputs), the forward then without hooks; otherwise the forward under a
+  every layer ``W`` runs is a Linear or a norm, ``I`` frees the graph as it runs, ``W`` keeps
+  only their inputs and computes their weight gradients directly:
+  :mod:`~lightning_pp.weight_grad_direct`), the forward then without hooks; otherwise the forward under a
   :class:`~lightning_pp.saved_for_w.SavedForW`, and ``I`` followed by ``work.nodes()`` and the
   trim (the trim counts in ``t_i``: the engine does it inside the ``I`` action);
 * ``torch``: torch's own split, ``torch.distributed.pipelining._backward``'s

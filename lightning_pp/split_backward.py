@@ -55,7 +55,14 @@ from dataclasses import dataclass, field
 import torch
 from torch.autograd.graph import GradientEdge, Node
 
-from .weight_grad_direct import DIRECT_KINDS, DirectJob, capture, direct_allowed, run_direct
+from .weight_grad_direct import (
+    DIRECT_KINDS,
+    NONE,
+    DirectJob,
+    capture,
+    direct_allowed,
+    weight_slots,
+)
 
 __all__ = [
     "SPLIT_SAFE_ATTR",
@@ -71,9 +78,11 @@ SPLIT_SAFE_ATTR = "split_backward_safe"
 run time); without it, a Function at an intermediate makes that microbatch's backward fused."""
 
 DIRECT_WEIGHT_GRADS = True
-"""Whether ``W`` computes a Linear's or a LayerNorm's weight gradients directly
-(:mod:`~lightning_pp.weight_grad_direct`: the same operators, without an engine call per layer)
-rather than through the autograd engine. Off only to measure the difference."""
+"""Whether ``backward_input(free_graph=True)`` may free the graph at ``I`` and compute a Linear's
+or a LayerNorm's weight gradients directly in ``W`` (:mod:`~lightning_pp.weight_grad_direct`:
+the same operators, no engine call per layer). Off only to measure the difference; a retained
+graph's ``W`` always runs the engine (measured: computing its layers directly saved nothing
+there, the engine's calls free what each layer saved as they go)."""
 
 _run_backward = torch.autograd.Variable._execution_engine.run_backward  # type: ignore[attr-defined]
 
@@ -98,9 +107,6 @@ class _Group:
     # whether W's call for this group must retain the graph: some node it runs runs in another
     # group's call too (a weight used twice, with another layer between its uses)
     retain: bool = True
-    # :data:`~lightning_pp.weight_grad_direct.DIRECT_KINDS` kind of the one root, where W may
-    # compute it without the engine (``None``: the engine call)
-    direct: str | None = None
 
 
 @dataclass
@@ -149,31 +155,24 @@ class WeightWork:
         groups, self.groups = self.groups, []
         jobs, self.jobs = self.jobs, []
         self.graph_nodes = None
-        with torch.no_grad():  # the direct path's operators must not record a graph
-            if jobs:
-                # no engine to fall back to (the graph is gone): W's operators must run as the
-                # engine's would, whatever autocast the caller has on around W
-                with _no_autocast():
-                    for job, g in jobs:
-                        if g is not None:
-                            job.run(g)
-                return
-            self._run_groups(groups, DIRECT_WEIGHT_GRADS and direct_allowed())
-
-    @staticmethod
-    def _run_groups(groups: list[_Group], direct: bool) -> None:
+        if jobs:
+            # The graph is gone: no engine to fall back to, so W's operators must run as the
+            # engine's would, whatever grad mode and autocast the caller has on around W.
+            with torch.no_grad(), _no_autocast():
+                for job, g in jobs:
+                    if g is not None:
+                        job.run(g)
+            return
         for group in groups:
             if len(group.roots) == 1 and len(group.grads[0]) == 1:
                 # the common case (a Linear's or a norm's node): one root, one gradient, no
                 # clamp to install
                 g = group.grads[0][0]
-                if g is None:
-                    continue
-                root = group.roots[0]
-                if direct and group.direct and run_direct(group.direct, root, g, group.weights):
-                    continue
-                edge = GradientEdge(root, 0)
-                _run_backward((edge,), (g,), group.retain, False, tuple(group.weights), True, True)
+                if g is not None:
+                    edge = GradientEdge(group.roots[0], 0)
+                    _run_backward(
+                        (edge,), (g,), group.retain, False, tuple(group.weights), True, True
+                    )
                 continue
             edges, grads = [], []
             for node, node_grads in zip(group.roots, group.grads):
@@ -309,6 +308,8 @@ class _Plan:
     (the first stage's) reaches more weights through its input edge too. ``all_direct``: every
     group has a kind and no output starts ``W`` off the input path, so ``W`` can run from what
     :func:`~lightning_pp.weight_grad_direct.capture` keeps, without the graph.
+    ``direct_slots``: per such group, its ``(weight, bias)`` accumulator positions
+    (:func:`~lightning_pp.weight_grad_direct.weight_slots`).
     """
 
     reason: str = ""
@@ -319,6 +320,7 @@ class _Plan:
     run: tuple[int, ...] = ()
     retain: tuple[bool, ...] = ()
     direct_kinds: tuple[str | None, ...] = ()
+    direct_slots: tuple[tuple[int, int] | None, ...] = ()
     all_direct: bool = False
 
 
@@ -458,10 +460,17 @@ def _analyse(
                 shared |= calls
         for k in kids[i]:
             frm[k] |= bits
-    direct_kinds = tuple(
-        DIRECT_KINDS.get(types[rs[0]].__name__) if len(rs) == 1 and reach_in[rs[0]] else None
-        for rs, _ in groups
-    )
+    kinds: list[str | None] = []
+    slots: list[tuple[int, int] | None] = []
+    for group_roots, group_accs in groups:
+        root = group_roots[0]
+        kind = DIRECT_KINDS.get(types[root].__name__) if len(group_roots) == 1 else None
+        where = weight_slots(kind, root, types, kids, reach_in) if kind and reach_in[root] else None
+        if where is None or {p for p in where if p != NONE} != set(group_accs):
+            kind, where = None, None
+        kinds.append(kind)
+        slots.append(where)
+    direct_kinds = tuple(kinds)
     return _Plan(
         inter=tuple(inter),
         in_root=in_root,
@@ -470,6 +479,7 @@ def _analyse(
         run=tuple(run),
         retain=tuple(bool(shared >> g & 1) for g in range(len(groups))),
         direct_kinds=direct_kinds,
+        direct_slots=tuple(slots),
         # W needs no node at all: every group is one Linear or norm on the input path (so
         # every intermediate is a group's root) and no output starts W off that path
         all_direct=bool(groups) and not direct and all(k is not None for k in direct_kinds),
@@ -556,7 +566,7 @@ def backward_input(
 
     # -- 3. W's groups: this graph's nodes at the plan's positions -----------------------------
     groups = []
-    for (rs, accs), retain, kind in zip(plan.groups, plan.retain, plan.direct_kinds):
+    for (rs, accs), retain in zip(plan.groups, plan.retain):
         acc_nodes = [nodes[p] for p in accs]
         groups.append(
             _Group(
@@ -565,7 +575,6 @@ def backward_input(
                 weights=[acc.variable for acc in acc_nodes],  # type: ignore[attr-defined]
                 accumulators=acc_nodes,
                 retain=retain,
-                direct=kind,
             )
         )
     return dx, WeightWork(groups=groups, graph_nodes=nodes, run_positions=plan.run)
@@ -584,9 +593,9 @@ def _backward_input_freeing(
     (``plan.all_direct``), and every output is on the input path."""
     jobs: list[DirectJob] = []
     edges: list[GradientEdge] = []
-    for (rs, accs), kind in zip(plan.groups, plan.direct_kinds):
+    for (rs, _), kind, where in zip(plan.groups, plan.direct_kinds, plan.direct_slots):
         node = nodes[rs[0]]
-        job = capture(kind, node, [nodes[p].variable for p in accs])  # type: ignore[arg-type,attr-defined]
+        job = capture(kind, node, *_params_at(nodes, where))  # type: ignore[arg-type]
         if job is None:
             return None
         jobs.append(job)
@@ -597,6 +606,19 @@ def _backward_input_freeing(
     a = len(want)
     return _scatter(inputs, want, got[:a]), WeightWork(
         jobs=list(zip(jobs, got[a:])), graph_freed=True
+    )
+
+
+def _params_at(
+    nodes: list[Node], where: tuple[int, int] | None
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(weight, bias) at a plan's accumulator positions (``NONE``: absent)."""
+    if where is None:
+        return None, None
+    w, b = where
+    return (
+        nodes[w].variable if w != NONE else None,  # type: ignore[attr-defined]
+        nodes[b].variable if b != NONE else None,  # type: ignore[attr-defined]
     )
 
 

@@ -26,9 +26,12 @@ engine's, so the gradients are bitwise those of an engine call (tested).
 
 Anything else, or anything this module cannot vouch for, goes through the engine as before:
 a parameter with a tensor hook (``register_hook``, ``register_post_accumulate_grad_hook``) or a
-subclass (a DTensor), a non-contiguous parameter (the engine's layout contract would clone), a
-gradient on another device, ``alpha``/``beta`` other than 1, autocast enabled around ``W``,
-anomaly mode, or weights that differ from the ones the engine call would reach. Not detectable
+subclass (a DTensor), a non-contiguous parameter (the engine's layout contract would clone),
+``alpha``/``beta`` other than 1, autocast or anomaly mode on at ``I``, or edges other than the
+layer's usual ones (:func:`weight_slots`: a weight behind its input edge, a bias computed from
+parameters). ``W`` turns autocast off around its operators (the graph is gone by then: there is
+no engine to fall back to), and moves a gradient to its parameter's device and dtype, as the
+engine does. Not detectable
 from Python, so not honoured: a hook registered on the accumulator NODE itself
 (``AccumulateGrad.register_hook``, which ``DistributedDataParallel``'s reducer uses; the
 pipeline strategy syncs gradients after the chunk's last ``W`` and installs none).
@@ -38,11 +41,12 @@ Example:
     >>> x = torch.randn(4, 3, requires_grad=True)
     >>> y = lin(x)
     >>> node = y.grad_fn  # AddmmBackward0
-    >>> kind = DIRECT_KINDS[type(node).__name__]
+    >>> job = capture(DIRECT_KINDS[type(node).__name__], node, lin.weight, lin.bias)
     >>> with torch.no_grad():
-    ...     run_direct(kind, node, torch.ones(4, 2), [lin.bias, lin.weight])
-    True
+    ...     job.run(torch.ones(4, 2))
     >>> torch.equal(lin.bias.grad, torch.full((2,), 4.0))
+    True
+    >>> torch.equal(lin.weight.grad, x.detach().sum(0).expand(2, 3))
     True
 """
 
@@ -54,7 +58,7 @@ from typing import Any
 import torch
 from torch.autograd.graph import Node
 
-__all__ = ["DIRECT_KINDS", "DirectJob", "capture", "direct_allowed", "run_direct"]
+__all__ = ["DIRECT_KINDS", "NONE", "DirectJob", "capture", "direct_allowed", "weight_slots"]
 
 ADDMM, MM, LAYER_NORM = "addmm", "mm", "layer_norm"
 
@@ -63,7 +67,7 @@ DIRECT_KINDS: dict[str, str] = {
     "MmBackward0": MM,
     "NativeLayerNormBackward0": LAYER_NORM,
 }
-"""Node class name -> the kind :func:`run_direct` computes for it."""
+"""Node class name -> the kind :func:`capture` handles."""
 
 _ACC, _TO_COPY, _T = "AccumulateGrad", "ToCopyBackward0", "TBackward0"
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -71,65 +75,118 @@ _layer_norm_backward = torch.ops.aten.native_layer_norm_backward.default
 
 
 def direct_allowed() -> bool:
-    """Whether the thread's state lets :func:`run_direct` stand in for the engine at all:
-    autocast around ``W`` would change the dtype of a direct matmul (the engine's nodes run with
-    the state the graph recorded), and anomaly mode checks each node's outputs."""
+    """Whether the thread's state lets a direct ``W`` stand in for the engine's: autocast around
+    ``W`` would change the dtype of a direct matmul (the engine's nodes run with the state the
+    graph recorded), and anomaly mode checks each node's outputs."""
     return not torch._C._is_any_autocast_enabled() and not torch.is_anomaly_enabled()
 
 
-def _weight(node: Node | None) -> torch.Tensor | None:
-    """The parameter behind an accumulator, or behind ``ToCopyBackward0`` -> accumulator;
-    ``None`` for anything else."""
-    if node is None:
-        return None
-    name = type(node).__name__
-    if name == _TO_COPY:
-        (child, _), *rest = node.next_functions
-        if rest or child is None or type(child).__name__ != _ACC:
+# -- where the weights are: decided once per graph shape, from node types and edges ---------------
+
+NONE = -1  # a slot without a weight (a frozen bias, a bias-free Linear)
+
+
+def _acc_below(
+    k: int, types: Sequence[type], kids: Sequence[tuple[int, ...]], transposed: bool
+) -> int | None:
+    """The accumulator position behind node ``k``: ``AccumulateGrad``, or
+    ``ToCopyBackward0`` -> ``AccumulateGrad`` (autocast's cast of the weight), behind one
+    ``TBackward0`` if ``transposed``; ``None`` for any other shape."""
+    if transposed:
+        if types[k].__name__ != _T or len(kids[k]) != 1:
             return None
-        node = child
-    elif name != _ACC:
+        k = kids[k][0]
+    if types[k].__name__ == _TO_COPY:
+        if len(kids[k]) != 1:
+            return None
+        k = kids[k][0]
+    return k if types[k].__name__ == _ACC and not kids[k] else None
+
+
+def weight_slots(
+    kind: str,
+    root: int,
+    types: Sequence[type],
+    kids: Sequence[tuple[int, ...]],
+    reach_in: Sequence[bool],
+) -> tuple[int, int] | None:
+    """``(weight, bias)`` accumulator positions (:data:`NONE` where absent) of an intermediate
+    of ``kind``, from the graph's signature (the node types and, per node, its children in edge
+    order, ``None`` edges left out); ``None`` where the edges are not the layer's usual ones.
+
+    * addmm ``(bias, mat1, mat2)``: three children ``[bias chain, input, T chain]``, or two:
+      ``[input, T chain]`` (no trainable bias) or ``[bias chain, input]`` (a frozen weight);
+    * mm ``(self, mat2)``: ``[input, T chain]``;
+    * layer norm ``(input, weight, bias)``: ``[input, weight chain, bias chain]``; with two
+      children the one chain is the weight or the bias, which only the node's saved weight
+      tells (:func:`capture` asks it): returned as ``(chain, chain)``.
+    """
+    ks = kids[root]
+
+    def chain(k: int, transposed: bool = False) -> int | None:
+        return None if reach_in[k] else _acc_below(k, types, kids, transposed)
+
+    if kind == ADDMM:
+        if len(ks) == 3 and reach_in[ks[1]]:
+            b, w = chain(ks[0]), chain(ks[2], True)
+            return None if b is None or w is None else (w, b)
+        if len(ks) == 2 and reach_in[ks[0]]:
+            w = chain(ks[1], True)
+            return None if w is None else (w, NONE)
+        if len(ks) == 2 and reach_in[ks[1]]:
+            b = chain(ks[0])
+            return None if b is None else (NONE, b)
         return None
-    return node.variable  # type: ignore[attr-defined]
-
-
-def _transposed_weight(node: Node | None) -> torch.Tensor | None:
-    """The parameter behind ``TBackward0`` -> (``ToCopyBackward0`` ->) accumulator."""
-    if node is None or type(node).__name__ != _T:
+    if kind == MM:
+        if len(ks) == 2 and reach_in[ks[0]]:
+            w = chain(ks[1], True)
+            return None if w is None else (w, NONE)
         return None
-    (child, _), *rest = node.next_functions
-    return None if rest else _weight(child)
+    if kind == LAYER_NORM and ks and reach_in[ks[0]]:
+        found = [chain(k) for k in ks[1:]]
+        if not found or any(a is None for a in found):
+            return None
+        if len(found) == 2:
+            return found[0], found[1]  # type: ignore[return-value]
+        if len(found) == 1:
+            return found[0], found[0]  # type: ignore[return-value]
+    return None
 
 
-def _plain(p: torch.Tensor, device: torch.device) -> bool:
+# -- the job -----------------------------------------------------------------------------------
+
+
+def _plain(p: torch.Tensor) -> bool:
     """A parameter whose accumulation this module reproduces exactly."""
     return (
         type(p) in _PLAIN
         and not p._backward_hooks
         and not getattr(p, "_post_accumulate_grad_hooks", None)
         and p.is_contiguous()
-        and p.device == device
     )
 
 
 def _accumulate(p: torch.Tensor, d: torch.Tensor) -> None:
     """What ``AccumulateGrad`` does with grad mode off: the first gradient is taken as is
     (contiguous, like its parameter: the layout contract holds), a later one added in place."""
-    if d.dtype != p.dtype:
-        d = d.to(p.dtype)  # ToCopyBackward0: back to the weight's dtype
+    if d.dtype != p.dtype or d.device != p.device:
+        # ToCopyBackward0: back to the weight's dtype; the engine moves a gradient to the
+        # device of the tensor it is for
+        d = d.to(device=p.device, dtype=p.dtype)
     if p.grad is None:
         p.grad = d
     else:
         p.grad.add_(d)
 
 
-def _matches(found: Sequence[torch.Tensor | None], weights: Sequence[torch.Tensor]) -> bool:
-    """The direct call reaches exactly the weights the engine call would. What decides it: a
-    leaf in the INPUT slot (the stage input itself) is not one of them, and a weight behind any
-    slot in an unexpected way (a Linear applied as ``W @ x``, a bias computed from parameters)
-    makes the sets differ."""
-    got = [p for p in found if p is not None]
-    return len(got) == len(weights) and all(any(p is w for w in weights) for p in got)
+def _released(kind: str, saved: tuple[int, ...], grad: tuple[int, ...]) -> str:
+    return (
+        f"lightning_pp split backward: W of a {kind} layer found its saved input with shape "
+        f"{list(saved)} for a gradient of shape {list(grad)}: the tensor was changed after the "
+        "forward. The usual cause is output release: a chunk output that a Linear or norm of "
+        "the same chunk also reads had its storage freed once sent. Construct the strategy or "
+        "engine with release_outputs=False for such a chunk."
+    )
 
 
 class DirectJob:
@@ -172,57 +229,40 @@ class DirectJob:
             if bias is not None:
                 _accumulate(bias, d_bias)
             return
-        (x,) = self.saved  # addmm's mat1 / mm's self: the layer's (flattened) input
-        if x.dim() != 2 or x.shape[0] != g.shape[0]:
-            raise RuntimeError(_released(self.kind, tuple(x.shape), tuple(g.shape)))
         if bias is not None:
             _accumulate(bias, g.sum_to_size(bias.shape))
         if weight is not None:
+            (x,) = self.saved  # addmm's mat1 / mm's self: the layer's (flattened) input
+            if x.dim() != 2 or x.shape[0] != g.shape[0]:
+                raise RuntimeError(_released(self.kind, tuple(x.shape), tuple(g.shape)))
             _accumulate(weight, g.t().mm(x))
 
 
-def _released(kind: str, saved: tuple[int, ...], grad: tuple[int, ...]) -> str:
-    return (
-        f"lightning_pp split backward: W of a {kind} layer found its saved input with shape "
-        f"{list(saved)} for a gradient of shape {list(grad)}: the tensor was changed after the "
-        "forward. The usual cause is output release: a chunk output that a Linear or norm of "
-        "the same chunk also reads had its storage freed once sent. Construct the strategy or "
-        "engine with release_outputs=False for such a chunk."
-    )
-
-
-def capture(kind: str, node: Node, weights: Sequence[torch.Tensor]) -> DirectJob | None:
-    """The :class:`DirectJob` for ``node`` (one of :data:`DIRECT_KINDS`), or ``None`` where the
-    layer is not one this module reproduces (the caller then keeps the engine's way);
-    ``weights``: the ones the engine call would reach. Reads the node's saved tensors (through
-    any saved-tensor hooks), so call it while they are alive."""
+def capture(
+    kind: str, node: Node, weight: torch.Tensor | None, bias: torch.Tensor | None
+) -> DirectJob | None:
+    """The :class:`DirectJob` for ``node``, an intermediate of ``kind`` whose weight and bias
+    are the parameters at its :func:`weight_slots` (``None`` where absent; for a norm with one
+    affine parameter pass it as both), or ``None`` where this module cannot vouch for the
+    result (the caller keeps the engine's way). Reads the node's saved tensors (through any
+    saved-tensor hooks), so call it while they are alive."""
     n: Any = node
-    nf = node.next_functions
-    if kind == ADDMM:
-        if len(nf) != 3:
+    if kind == LAYER_NORM:
+        if weight is bias and weight is not None:  # one affine parameter: which one?
+            if n._saved_weight is weight:
+                bias = None
+            elif n._saved_bias is bias:
+                weight = None
+            else:
+                return None
+    elif kind == ADDMM:
+        if n._saved_alpha != 1 or n._saved_beta != 1:
             return None
-        bias, weight = _weight(nf[0][0]), _transposed_weight(nf[2][0])
-        if not _matches((bias, weight), weights) or n._saved_alpha != 1 or n._saved_beta != 1:
-            return None
-        x = n._saved_mat1
-    elif kind == MM:
-        if len(nf) != 2:
-            return None
-        bias, weight = None, _transposed_weight(nf[1][0])
-        if weight is None or not _matches((weight,), weights):
-            return None
-        x = n._saved_self
-    elif kind == LAYER_NORM:
-        if len(nf) != 3:
-            return None
-        weight, bias = _weight(nf[1][0]), _weight(nf[2][0])
-        if not _matches((weight, bias), weights):
-            return None
-        x = n._saved_input
-        if any(p is not None and not _plain(p, x.device) for p in (weight, bias)):
-            return None
+    if (weight is not None and not _plain(weight)) or (bias is not None and not _plain(bias)):
+        return None
+    if kind == LAYER_NORM:
         saved = (
-            x.detach(),
+            n._saved_input.detach(),
             n._saved_normalized_shape,
             n._saved_result1.detach(),
             n._saved_result2.detach(),
@@ -230,20 +270,7 @@ def capture(kind: str, node: Node, weights: Sequence[torch.Tensor]) -> DirectJob
             n._saved_bias,
         )
         return DirectJob(kind, weight, bias, saved)
-    else:
-        return None
-    if any(p is not None and not _plain(p, x.device) for p in (weight, bias)):
-        return None
+    if weight is None:  # the input is saved only for the weight's gradient
+        return DirectJob(kind, None, bias, ())
+    x = n._saved_mat1 if kind == ADDMM else n._saved_self
     return DirectJob(kind, weight, bias, (x.detach(),))
-
-
-def run_direct(kind: str, node: Node, g: torch.Tensor, weights: Sequence[torch.Tensor]) -> bool:
-    """Accumulate the weight gradients of ``node`` (one of :data:`DIRECT_KINDS`) for the
-    gradient ``g`` that flowed into it, without the engine; ``weights``: the ones the engine call
-    would reach. Returns ``False``, having changed nothing, where the layer is not one this
-    module reproduces (the caller then runs the engine). Call with grad mode off."""
-    job = capture(kind, node, weights)
-    if job is None:
-        return False
-    job.run(g)
-    return True
