@@ -13,9 +13,10 @@ round by round in a random order, so drift and contention hit all of them alike:
 * ``engine``: as ``engine_step`` runs a split schedule: ``I`` with ``free_graph=True`` (where
   every layer ``W`` runs is a Linear or a norm, ``I`` frees the graph as it runs, ``W`` keeps
   only their inputs and computes their weight gradients directly:
-  :mod:`~lightning_pp.weight_grad_direct`), the forward then without hooks; otherwise the forward under a
-  :class:`~lightning_pp.saved_for_w.SavedForW`, and ``I`` followed by ``work.nodes()`` and the
-  trim (the trim counts in ``t_i``: the engine does it inside the ``I`` action);
+  :mod:`~lightning_pp.weight_grad_direct`), the forward then without hooks; otherwise the
+  forward under a :class:`~lightning_pp.saved_for_w.SavedForW`, and ``I`` followed by
+  ``work.nodes()`` and the trim (the trim counts in ``t_i``: the engine does it inside the
+  ``I`` action);
 * ``torch``: torch's own split, ``torch.distributed.pipelining._backward``'s
   ``stage_backward_input`` then ``stage_backward_weight`` (what its ZB-H1 and ZB-V schedules
   run), on the same stage: how far a split's cost is autograd's rather than ours.

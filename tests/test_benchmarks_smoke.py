@@ -177,3 +177,15 @@ def test_split_backward_cost_script(tmp_path):
         assert data["calls"][mode]["I.engine"] == 1, mode
         assert all(r > 0 for r in data["ratio"][f"{mode}.cpu"].values())
     assert data["calls"]["engine"].get("I.trim", 0) == 0
+
+
+def test_split_free_ab_script():
+    """benchmarks/split_free_ab.py: both ways measured in one world, and they are the two
+    paths they claim (the graph freed at I on every chunk with an I, or on none)."""
+    from benchmarks import split_free_ab
+
+    out = split_free_ab.main(["--pp", "2", "-m", "2", "--rounds", "2", "--steps", "2"])
+    for way in split_free_ab.WAYS:
+        assert out[way]["step_ms"] > 0 and out[way]["I_ms"] > 0 and out[way]["W_ms"] > 0, way
+    assert out["chunks_freed"]["freed"] and all(out["chunks_freed"]["freed"])
+    assert out["chunks_freed"]["retained"] and not any(out["chunks_freed"]["retained"])
