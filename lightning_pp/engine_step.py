@@ -33,7 +33,7 @@ from .recompute_plan import LayerProbe, measure_chunk
 from .records import StepRecorder
 from .saved_for_w import SavedForW
 from .schedules import Action, Op, Schedule
-from .split_backward import WeightWork, backward_input, fused_backward
+from .split_backward import WeightWork, autocast_off, backward_input, fused_backward
 from .topology import PipelineTopology
 
 if TYPE_CHECKING:
@@ -333,10 +333,13 @@ class StepRun:
         """Run ``action`` on what it received; return the messages it sends."""
         if action.op is Op.F:
             return self._forward(action, received)
-        if action.op is Op.W:
-            self._weight_backward(action)
-            return []
-        return self._backward(action, received)
+        # Backward with autocast off, as Lightning runs it (outside the precision plugin's
+        # forward context, which wraps this whole step): see split_backward.autocast_off.
+        with autocast_off():
+            if action.op is Op.W:
+                self._weight_backward(action)
+                return []
+            return self._backward(action, received)
 
     def _forward(self, action: Action, received: Sequence[PendingRecv]) -> list[Message]:
         engine, c, mb = self.engine, action.chunk, action.mb

@@ -26,6 +26,12 @@ How (:func:`backward_input`, then :meth:`WeightWork.run`):
    pre-hooks clamp their gradient to the kept one. Groups never share weights, so no gradient is
    counted twice. Dropping the :class:`WeightWork` releases the graph (and the activations it
    saved).
+4. With ``free_graph=True``, where every group is one Linear, LayerNorm or parameter scale
+   (an RMSNorm's) on the input path,
+   ``I`` first captures what their weight gradients read
+   (:func:`~lightning_pp.weight_grad_direct.capture`) and then runs with the graph freed as it
+   goes, as a fused backward does; ``W`` computes those gradients directly, with the engine's
+   own operators and no engine call (:mod:`~lightning_pp.weight_grad_direct`).
 
 Falls back to one fused backward in ``I`` (and a no-op ``W``) where splitting would not pay or
 could be wrong: an intermediate that is a custom :class:`torch.autograd.Function` (its backward
@@ -66,6 +72,7 @@ from .weight_grad_direct import (
 
 __all__ = [
     "SPLIT_SAFE_ATTR",
+    "autocast_off",
     "WeightWork",
     "backward_input",
     "fused_backward",
@@ -158,7 +165,7 @@ class WeightWork:
         if jobs:
             # The graph is gone: no engine to fall back to, so W's operators must run as the
             # engine's would, whatever grad mode and autocast the caller has on around W.
-            with torch.no_grad(), _no_autocast():
+            with torch.no_grad(), autocast_off():
                 for job, g in jobs:
                     if g is not None:
                         job.run(g)
@@ -205,8 +212,14 @@ class WeightWork:
 
 
 @contextlib.contextmanager
-def _no_autocast() -> Iterator[None]:
-    """Autocast off on every device type that has it on (a no-op, and free, when none has)."""
+def autocast_off() -> Iterator[None]:
+    """Autocast off on every device type that has it on (a no-op, and free, when none has).
+
+    A backward runs under it: Lightning calls ``loss.backward()`` outside the precision
+    plugin's forward context, and the autograd engine runs each backward op with the calling
+    thread's autocast state, so a backward inside ``autocast`` would cast an fp32 matmul of the
+    backward (a region the forward ran with autocast disabled) to bf16.
+    """
     if not torch._C._is_any_autocast_enabled():
         yield
         return

@@ -366,3 +366,60 @@ def test_graph_freed_at_i_where_every_w_layer_is_linear(world4):
         if not first
     ]
     assert not all(kept), kept
+
+
+class _AutocastProbe(torch.autograd.Function):
+    """Identity that records whether CPU autocast is on in its forward and its backward."""
+
+    seen: list[tuple[str, bool]] = []
+    split_backward_safe = True
+
+    @staticmethod
+    def forward(ctx, x):
+        _AutocastProbe.seen.append(("F", torch.is_autocast_enabled("cpu")))
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        _AutocastProbe.seen.append(("B", torch.is_autocast_enabled("cpu")))
+        return g
+
+
+class _Probed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.tanh(self.lin(_AutocastProbe.apply(x)))
+
+
+def _autocast_worker(rank, world_size):
+    topo = PipelineTopology.from_world(world_size, rank, world_size)
+    groups = build_process_groups(topo)
+    out = {}
+    for name in ("1f1b", "zb-h1"):
+        torch.manual_seed(0)
+        layers = [_Probed() for _ in range(4)]
+        schedule = build_schedule(name, pp=world_size, microbatches=2)
+        chunks = _chunks(layers, schedule, topo.pp_rank)
+        engine = PipelineEngine(
+            chunks, schedule, topo, groups, loss_fn=lambda out, mb: F.mse_loss(out, mb[1])
+        )
+        batch = (torch.randn(4, 8), torch.randn(4, 8))
+        _AutocastProbe.seen.clear()
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # as bf16-mixed wraps the step
+            engine.train_step(batch)
+        out[name] = (sorted(set(_AutocastProbe.seen)), list(engine.graph_free))
+    return out
+
+
+def test_backward_runs_with_autocast_off():
+    """Under bf16-mixed the precision plugin's autocast wraps the whole step; the forward keeps
+    it, every backward (B, I, W) runs without it, as Lightning's own loss.backward() does. A
+    split chunk of Linears then frees its graph at I under bf16-mixed too."""
+    for rank, res in enumerate(run_distributed(_autocast_worker, 2, timeout=120)):
+        for name in ("1f1b", "zb-h1"):
+            seen, graph_free = res[name]
+            assert seen == [("B", False), ("F", True)], (rank, name, seen)
+        assert res["zb-h1"][1] == [rank == 1], rank  # stage 0's I is a no-op: nothing to free
