@@ -1,12 +1,13 @@
-"""``W`` for a Linear or a LayerNorm without the autograd engine: the weight gradient by one call.
+"""``W`` for a Linear or a LayerNorm without the autograd graph: captured at ``I``, run later.
 
-Why: a split backward's ``W`` (:meth:`WeightWork.run
-<lightning_pp.split_backward.WeightWork.run>`) makes one engine call per layer. On the
-benchmark transformer stage (2 blocks, 12 calls) the calls took 4.1 ms against 3.4 ms of the
-operators inside them: every call builds a graph task, computes which nodes to execute and
-walks the graph, for a layer whose weight gradient is one matmul. That ~70 µs per call is what
-kept ``t_i + t_w`` at about 1.19 x the fused backward (issue 14's target: 1.10). Computing the
-gradient of such a layer directly, with the operator the engine would run, removes it.
+Why: a split backward keeps the graph from ``I`` to ``W`` so that ``W`` can run the engine from
+the gradients ``I`` kept. That costs twice: ``I`` cannot free what the forward saved as it runs
+(the forward needs ``SavedForW`` hooks to trim it afterwards), and ``W`` makes one engine call
+per layer. When every layer ``W`` would run is one of the kinds below, ``I`` instead captures
+what their weight gradients read (:func:`capture`), runs with the graph freed as it goes, and
+``W`` computes each gradient with the operator the engine would have run (:class:`DirectJob`).
+Measured on the benchmark transformer stage (``benchmarks/split_backward_cost.py``): ``(t_i +
+t_w) / t_b`` 1.22 -> 1.10-1.11, the forward 6 % cheaper (no hooks).
 
 Which layers: the intermediate ``W`` starts at (the node whose weight edges leave the input
 path) is one of
@@ -17,24 +18,26 @@ path) is one of
   ``sum_to`` of a broadcast input);
 * ``MmBackward0`` (``nn.Linear`` without bias): ``dW = g^T @ self``;
 * ``NativeLayerNormBackward0``: ``native_layer_norm_backward`` asked for the weight and bias
-  gradients only (the engine's own call, with the input gradient masked off).
+  gradients only (the engine's own call, with the input gradient masked off);
+* ``MulBackward0`` with a parameter as one factor (an RMSNorm's scale, ``weight * x``):
+  ``dW = g * x`` summed to the weight's shape.
 
 Each weight edge must be the parameter's accumulator, possibly behind one ``ToCopyBackward0``
 (autocast's cast of an fp32 weight: the gradient is cast back to the weight's dtype, as that
 node does), and for a matmul behind a ``TBackward0``. The operators and their arguments are the
 engine's, so the gradients are bitwise those of an engine call (tested).
 
-Anything else, or anything this module cannot vouch for, goes through the engine as before:
+Anything else, or anything this module cannot vouch for, keeps the retained graph and the
+engine's ``W``:
 a parameter with a tensor hook (``register_hook``, ``register_post_accumulate_grad_hook``) or a
 subclass (a DTensor), a non-contiguous parameter (the engine's layout contract would clone),
 ``alpha``/``beta`` other than 1, autocast or anomaly mode on at ``I``, or edges other than the
 layer's usual ones (:func:`weight_slots`: a weight behind its input edge, a bias computed from
 parameters). ``W`` turns autocast off around its operators (the graph is gone by then: there is
 no engine to fall back to), and moves a gradient to its parameter's device and dtype, as the
-engine does. Not detectable
-from Python, so not honoured: a hook registered on the accumulator NODE itself
-(``AccumulateGrad.register_hook``, which ``DistributedDataParallel``'s reducer uses; the
-pipeline strategy syncs gradients after the chunk's last ``W`` and installs none).
+engine does. Not detectable from Python, so not honoured: a hook registered on the accumulator
+NODE itself (``AccumulateGrad.register_hook``, which ``DistributedDataParallel``'s reducer uses;
+the pipeline strategy syncs gradients after the chunk's last ``W`` and installs none).
 
 Example:
     >>> lin = torch.nn.Linear(3, 2)
@@ -60,12 +63,13 @@ from torch.autograd.graph import Node
 
 __all__ = ["DIRECT_KINDS", "NONE", "DirectJob", "capture", "direct_allowed", "weight_slots"]
 
-ADDMM, MM, LAYER_NORM = "addmm", "mm", "layer_norm"
+ADDMM, MM, LAYER_NORM, MUL = "addmm", "mm", "layer_norm", "mul"
 
 DIRECT_KINDS: dict[str, str] = {
     "AddmmBackward0": ADDMM,
     "MmBackward0": MM,
     "NativeLayerNormBackward0": LAYER_NORM,
+    "MulBackward0": MUL,
 }
 """Node class name -> the kind :func:`capture` handles."""
 
@@ -119,7 +123,9 @@ def weight_slots(
     * mm ``(self, mat2)``: ``[input, T chain]``;
     * layer norm ``(input, weight, bias)``: ``[input, weight chain, bias chain]``; with two
       children the one chain is the weight or the bias, which only the node's saved weight
-      tells (:func:`capture` asks it): returned as ``(chain, chain)``.
+      tells (:func:`capture` asks it): returned as ``(chain, chain)``;
+    * mul ``(self, other)``: one child the input, the other the weight's accumulator itself
+      (which factor it is, :func:`capture` asks the node's saved ``self``).
     """
     ks = kids[root]
 
@@ -141,6 +147,14 @@ def weight_slots(
         if len(ks) == 2 and reach_in[ks[0]]:
             w = chain(ks[1], True)
             return None if w is None else (w, NONE)
+        return None
+    if kind == MUL and len(ks) == 2:
+        # weight * x (an RMSNorm's scale) or x * weight; the weight straight from its
+        # accumulator (a cast would put the engine's rounding to the cast dtype in between)
+        for mine, theirs in ((ks[0], ks[1]), (ks[1], ks[0])):
+            if reach_in[theirs] and not reach_in[mine] and types[mine].__name__ == _ACC:
+                if not kids[mine]:
+                    return mine, NONE
         return None
     if kind == LAYER_NORM and ks and reach_in[ks[0]]:
         found = [chain(k) for k in ks[1:]]
@@ -229,6 +243,12 @@ class DirectJob:
             if bias is not None:
                 _accumulate(bias, d_bias)
             return
+        if self.kind == MUL:
+            (x,) = self.saved  # the other factor
+            if x.shape != g.shape:
+                raise RuntimeError(_released(self.kind, tuple(x.shape), tuple(g.shape)))
+            _accumulate(weight, (g * x).sum_to_size(weight.shape))  # type: ignore[arg-type]
+            return
         if bias is not None:
             _accumulate(bias, g.sum_to_size(bias.shape))
         if weight is not None:
@@ -260,6 +280,13 @@ def capture(
             return None
     if (weight is not None and not _plain(weight)) or (bias is not None and not _plain(bias)):
         return None
+    if kind == MUL:
+        # the engine's grad for the weight is grad * (the other factor), summed to the weight's
+        # shape; only where that factor has the product's shape (not itself broadcast)
+        x = n._saved_other if n._saved_self is weight else n._saved_self
+        if x is None or tuple(x.shape) != tuple(n._input_metadata[0].shape):
+            return None
+        return DirectJob(kind, weight, None, (x.detach(),))
     if kind == LAYER_NORM:
         saved = (
             n._saved_input.detach(),

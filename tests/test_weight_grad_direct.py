@@ -28,7 +28,7 @@ class Block(nn.Module):
 
 
 class Scaled(nn.Module):
-    """A weight used elementwise: not a layer the direct path knows (its W is an engine call)."""
+    """A weight dividing elementwise: not a layer the direct path knows (W is an engine call)."""
 
     def __init__(self, dim: int = 8) -> None:
         super().__init__()
@@ -36,7 +36,7 @@ class Scaled(nn.Module):
         self.scale = nn.Parameter(torch.rand(dim) + 0.5)
 
     def forward(self, x):
-        return torch.tanh(self.lin(x)) * self.scale
+        return torch.tanh(self.lin(x)) / self.scale
 
 
 class NormBiasOnly(nn.Module):
@@ -62,6 +62,20 @@ class WeightTimesInput(nn.Module):
         return torch.tanh((self.w @ x.t()).t())
 
 
+class RMSNorm(nn.Module):
+    """Llama / Qwen2 style: the normalisation in fp32, then ``weight * x`` (or ``x * weight``)."""
+
+    def __init__(self, dim: int = 8, weight_first: bool = True) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.rand(dim) + 0.5)
+        self.weight_first = weight_first
+
+    def forward(self, x):
+        h = x.float()
+        h = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+        return self.weight * h if self.weight_first else h * self.weight
+
+
 MODELS = {
     "linear-2d": (lambda: nn.Sequential(nn.Linear(8, 6), nn.Tanh(), nn.Linear(6, 5)), (4, 8)),
     "blocks-3d": (lambda: nn.Sequential(Block(), Block()), (2, 5, 8)),
@@ -69,10 +83,16 @@ MODELS = {
     "frozen-bias": (lambda: _frozen(bias=True), (4, 8)),
     "frozen-weight": (lambda: _frozen(bias=False), (4, 8)),
     "norm-bias-only": (NormBiasOnly, (3, 8)),
-    "scaled": (Scaled, (4, 8)),
+    "rmsnorm-mlp": (
+        lambda: nn.Sequential(
+            RMSNorm(), nn.Linear(8, 16, bias=False), nn.SiLU(), RMSNorm(16, False)
+        ),
+        (2, 3, 8),
+    ),
+    "divided": (Scaled, (4, 8)),
     "weight-times-input": (WeightTimesInput, (4, 8)),
 }
-RETAINED = ("scaled", "weight-times-input")  # a W layer the direct path does not know
+RETAINED = ("divided", "weight-times-input")  # a W layer the direct path does not know
 
 
 def _frozen(bias: bool) -> nn.Module:
