@@ -254,3 +254,50 @@ def test_a_released_input_is_named_not_miscomputed():
     assert work.graph_freed
     with pytest.raises(RuntimeError, match="release_outputs=False"):
         work.run()
+
+
+def test_hugging_face_qwen2_layers_free_their_graph():
+    """Two unmodified Qwen2 decoder layers (RMSNorm, Linear with and without bias, SiLU-gated
+    MLP, rotary attention): the graph is freed at I, and every gradient is bitwise the engine's
+    W on a retained graph."""
+    pytest.importorskip("transformers")
+    from transformers import Qwen2Config
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2RotaryEmbedding
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=2,
+        vocab_size=100,
+    )
+    cfg._attn_implementation = "sdpa"
+    layers = nn.ModuleList([Qwen2DecoderLayer(cfg, i) for i in range(2)])
+    rotary = Qwen2RotaryEmbedding(cfg)
+    x0 = torch.randn(2, 5, 32)
+
+    def stage(mods, x):
+        pos = torch.arange(x.shape[1])[None]
+        emb = rotary(x, pos)
+        for layer in mods:
+            out = layer(x, position_embeddings=emb, attention_mask=None, position_ids=pos)
+            x = out[0] if isinstance(out, tuple) else out
+        return x
+
+    got = {}
+    for mode, mods in (("free", layers), ("engine", copy.deepcopy(layers))):
+        x = x0.clone().requires_grad_(True)
+        y = stage(mods, x)
+        old, sb.DIRECT_WEIGHT_GRADS = sb.DIRECT_WEIGHT_GRADS, mode == "free"
+        try:
+            (dx,), work = backward_input((y,), (torch.ones_like(y),), (x,), free_graph=True)
+            assert work.graph_freed == (mode == "free")
+            work.run()
+        finally:
+            sb.DIRECT_WEIGHT_GRADS = old
+        got[mode] = (dx, {n: p.grad for n, p in mods.named_parameters()})
+    assert torch.equal(got["free"][0], got["engine"][0])
+    for n, g in got["engine"][1].items():
+        assert g is not None and torch.equal(got["free"][1][n], g), n
