@@ -10,6 +10,8 @@ On one GPU:
               against a plain Trainer
   vdev-pp1    benchmarks/bench_pipeline.py --workload sleep --pp 1 --device cuda: the virtual
               device at pp=1 (ours and torch's single-stage schedule)
+  split-cost  benchmarks/split_backward_cost.py --device cuda: (t_i + t_w) / t_b of a split
+              backward (ours, torch's) against a fused one, GPT blocks at dim 1024
 On two or more GPUs:
   nccl-grid   the equivalence grid of tests/test_nccl_emulation.py on REAL NCCL (pp=2, and pp=4
               with 4 GPUs), every case within 1e-6 of unpipelined training
@@ -70,6 +72,16 @@ STEPS = [
         ),
         120,
         "virtual device at pp=1",
+    ),
+    Step(
+        "split-cost",
+        1,
+        (
+            *(sys.executable, "benchmarks/split_backward_cost.py", "--device", "cuda"),
+            *("--iters", "60", "--dim", "1024", "--heads", "16", "--seq", "512", "--mb", "4"),
+        ),
+        120,
+        "split backward (I + W) against a fused B, 2 GPT blocks on the GPU (issue 14: <= 1.10)",
     ),
     Step("nccl-grid", 2, _self("nccl-grid"), 180, "equivalence grid on real NCCL"),
     Step(

@@ -33,7 +33,8 @@ taken by wrapping the module's functions (so it follows whatever ``split_backwar
 
 Usage:
     nice -n 19 python benchmarks/split_backward_cost.py [--iters 200] [--dim 128 --heads 4
-        --seq 64 --mb 4 --layers 2] [--threads 1] [--json FILE] [--baseline FILE]
+        --seq 64 --mb 4 --layers 2] [--threads 1] [--device cuda] [--json FILE]
+        [--baseline FILE]
 
 ``--baseline``: another ``split_backward.py`` measured in the same rounds (``split-base``,
 ``engine-base``), the fair before/after on a machine whose load drifts::
@@ -76,13 +77,20 @@ class _Clock:
         self.wall: dict[str, float] = defaultdict(float)
         self.cpu: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
+        # on an accelerator: wait for its queued work at each phase's start and end, so the
+        # wall figure is the phase's device time (the CPU figure is then only the launching)
+        self.sync: Callable[[], None] | None = None
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
+        if self.sync is not None:
+            self.sync()
         w0, c0 = time.perf_counter(), time.thread_time()
         try:
             yield
         finally:
+            if self.sync is not None:
+                self.sync()
             self.wall[name] += time.perf_counter() - w0
             self.cpu[name] += time.thread_time() - c0
             self.calls[name] += 1
@@ -164,7 +172,7 @@ def one_round(
         else:
             y = stage(x)
     # As the engine does once the output is sent: only its grad_fn is needed any more.
-    y.data = torch.empty(1)
+    y.data = torch.empty(1, device=y.device)
     # Each action drops what the engine drops at its end (the stash entry holding the output,
     # so its graph), so freeing the graph is timed where the engine pays for it: in B, in W.
     if mode == "fused":
@@ -220,6 +228,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--mb", type=int, default=4)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument(
+        "--device", default="cpu", help="cpu, or cuda (then judge by [wall]: it waits for the GPU)"
+    )
     ap.add_argument("--json", help="write the figures to this file")
     ap.add_argument(
         "--baseline",
@@ -234,10 +245,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         base = load_baseline(args.baseline)
         instrument(base)
         impls.update({"split-base": base, "engine-base": base})
-    stage = build(args.layers, args.dim, args.heads, args.seed)
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        CLOCK.sync = torch.cuda.synchronize
+    stage = build(args.layers, args.dim, args.heads, args.seed).to(device)
     g = torch.Generator().manual_seed(args.seed)
-    x0 = torch.randn(args.mb, args.seq, args.dim, generator=g)
-    dy = torch.randn(args.mb, args.seq, args.dim, generator=g)
+    x0 = torch.randn(args.mb, args.seq, args.dim, generator=g).to(device)
+    dy = torch.randn(args.mb, args.seq, args.dim, generator=g).to(device)
     modes = tuple(impls)
     rng = random.Random(args.seed)
     # samples[mode][clock][phase] -> per-round values
@@ -268,7 +282,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out: dict[str, Any] = {"args": vars(args), "median_ms": med, "calls": calls, "ratio": {}}
     print(
         f"stage: {args.layers} x Block(dim={args.dim}, heads={args.heads}), mb={args.mb}, "
-        f"seq={args.seq}, threads={args.threads}, {args.iters} rounds (medians, ms)"
+        f"seq={args.seq}, threads={args.threads}, device={args.device}, {args.iters} rounds "
+        "(medians, ms)"
     )
     for clock in ("wall", "cpu"):
         tb = med["fused"][clock]["B"]
@@ -309,6 +324,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
+    # one line for benchmarks/gpu_check.py's table: on a GPU the wall clock is the figure
+    clock = "wall" if device.type != "cpu" else "cpu"
+    headline = {
+        f"{mode} (I+W)/B": round(out["ratio"][f"{mode}.{clock}"]["of_medians"], 3)
+        for mode in ("engine", "torch")
+    }
+    print(
+        "RESULT "
+        + json.dumps({"clock": clock, "B_ms": round(med["fused"][clock]["B"], 3)} | headline)
+    )
     return out
 
 
