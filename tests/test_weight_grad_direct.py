@@ -261,22 +261,12 @@ def test_hugging_face_qwen2_layers_free_their_graph():
     MLP, rotary attention): the graph is freed at I, and every gradient is bitwise the engine's
     W on a retained graph."""
     pytest.importorskip("transformers")
-    from transformers import Qwen2Config
-    from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2RotaryEmbedding
+    from byom_models import model_fn  # the tiny Hugging Face configs of the model-API tests
 
     torch.manual_seed(0)
-    cfg = Qwen2Config(
-        hidden_size=32,
-        intermediate_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_hidden_layers=2,
-        vocab_size=100,
-    )
-    cfg._attn_implementation = "sdpa"
-    layers = nn.ModuleList([Qwen2DecoderLayer(cfg, i) for i in range(2)])
-    rotary = Qwen2RotaryEmbedding(cfg)
-    x0 = torch.randn(2, 5, 32)
+    model = model_fn("qwen2-tied")[0]()
+    layers, rotary = model.model.layers[:2], model.model.rotary_emb
+    x0 = torch.randn(2, 5, model.config.hidden_size)
 
     def stage(mods, x):
         pos = torch.arange(x.shape[1])[None]
