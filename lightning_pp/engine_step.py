@@ -562,19 +562,16 @@ class StepRun:
         a graph freed at ``I``, what ``W`` captured of it (layer inputs, norm statistics)."""
         if not self.engine.measure_memory:
             return 0
-        if work.graph_freed:
-            keys: dict[Any, int] = {}
-            for t in work.held():
-                counted = self._saved_key(t)
-                if counted is not None:
-                    keys[counted[0]] = counted[1]
-            return sum(keys.values())
-        keys = entry.kept.counted() if entry.kept is not None else dict(entry.saved_keys)
-        for frame in entry.frames:
-            for t in frame.held():
-                counted = self._saved_key(t)
-                if counted is not None:
-                    keys[counted[0]] = counted[1]
+        keys: dict[Any, int]
+        if work.graph_freed:  # the graph is gone: only what W captured is held
+            keys, held = {}, work.held()
+        else:
+            keys = entry.kept.counted() if entry.kept is not None else dict(entry.saved_keys)
+            held = [t for frame in entry.frames for t in frame.held()]
+        for t in held:
+            counted = self._saved_key(t)
+            if counted is not None:
+                keys[counted[0]] = counted[1]
         return sum(keys.values())
 
     def _weight_backward(self, action: Action) -> None:

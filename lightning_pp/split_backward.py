@@ -314,15 +314,15 @@ class _Plan:
     ``groups``: ``(root positions, weight accumulator positions)`` per set of roots that share
     weights. ``run``: the nodes ``W``'s engine calls execute when every root has a gradient.
     ``retain``: per group, whether a node its call runs runs in another group's call too.
-    ``direct_kinds``: per group, the :data:`~lightning_pp.weight_grad_direct.DIRECT_KINDS` kind of
-    its root where the group is one intermediate of such a type (``None`` otherwise). Only an
+    ``captures``: per group, ``(kind, weight, bias)`` where the group is one intermediate of a
+    :data:`~lightning_pp.weight_grad_direct.DIRECT_KINDS` type whose weights sit at the
+    accumulator positions ``weight`` and ``bias``
+    (:func:`~lightning_pp.weight_grad_direct.weight_slots`), ``None`` otherwise. Only an
     intermediate: any weight below its input edge would belong to another intermediate of the
     same group, so its weight edges reach all the group's weights; a root off the input path
     (the first stage's) reaches more weights through its input edge too. ``all_direct``: every
-    group has a kind and no output starts ``W`` off the input path, so ``W`` can run from what
+    group has one and no output starts ``W`` off the input path, so ``W`` can run from what
     :func:`~lightning_pp.weight_grad_direct.capture` keeps, without the graph.
-    ``direct_slots``: per such group, its ``(weight, bias)`` accumulator positions
-    (:func:`~lightning_pp.weight_grad_direct.weight_slots`).
     """
 
     reason: str = ""
@@ -332,8 +332,7 @@ class _Plan:
     groups: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...] = ()
     run: tuple[int, ...] = ()
     retain: tuple[bool, ...] = ()
-    direct_kinds: tuple[str | None, ...] = ()
-    direct_slots: tuple[tuple[int, int] | None, ...] = ()
+    captures: tuple[tuple[str, int, int] | None, ...] = ()
     all_direct: bool = False
 
 
@@ -473,17 +472,15 @@ def _analyse(
                 shared |= calls
         for k in kids[i]:
             frm[k] |= bits
-    kinds: list[str | None] = []
-    slots: list[tuple[int, int] | None] = []
+    captures: list[tuple[str, int, int] | None] = []
     for group_roots, group_accs in groups:
         root = group_roots[0]
         kind = DIRECT_KINDS.get(types[root].__name__) if len(group_roots) == 1 else None
         where = weight_slots(kind, root, types, kids, reach_in) if kind and reach_in[root] else None
-        if where is None or {p for p in where if p != NONE} != set(group_accs):
-            kind, where = None, None
-        kinds.append(kind)
-        slots.append(where)
-    direct_kinds = tuple(kinds)
+        if kind and where and {p for p in where if p != NONE} == set(group_accs):
+            captures.append((kind, *where))
+        else:
+            captures.append(None)
     return _Plan(
         inter=tuple(inter),
         in_root=in_root,
@@ -491,11 +488,10 @@ def _analyse(
         groups=groups,
         run=tuple(run),
         retain=tuple(bool(shared >> g & 1) for g in range(len(groups))),
-        direct_kinds=direct_kinds,
-        direct_slots=tuple(slots),
+        captures=tuple(captures),
         # W needs no node at all: every group is one Linear or norm on the input path (so
         # every intermediate is a group's root) and no output starts W off that path
-        all_direct=bool(groups) and not direct and all(k is not None for k in direct_kinds),
+        all_direct=bool(groups) and not direct and all(c is not None for c in captures),
     )
 
 
@@ -606,9 +602,9 @@ def _backward_input_freeing(
     (``plan.all_direct``), and every output is on the input path."""
     jobs: list[DirectJob] = []
     edges: list[GradientEdge] = []
-    for (rs, _), kind, where in zip(plan.groups, plan.direct_kinds, plan.direct_slots):
+    for (rs, _), (kind, w, b) in zip(plan.groups, plan.captures):  # type: ignore[misc]
         node = nodes[rs[0]]
-        job = capture(kind, node, *_params_at(nodes, where))  # type: ignore[arg-type]
+        job = capture(kind, node, _param_at(nodes, w), _param_at(nodes, b))
         if job is None:
             return None
         jobs.append(job)
@@ -622,17 +618,9 @@ def _backward_input_freeing(
     )
 
 
-def _params_at(
-    nodes: list[Node], where: tuple[int, int] | None
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(weight, bias) at a plan's accumulator positions (``NONE``: absent)."""
-    if where is None:
-        return None, None
-    w, b = where
-    return (
-        nodes[w].variable if w != NONE else None,  # type: ignore[attr-defined]
-        nodes[b].variable if b != NONE else None,  # type: ignore[attr-defined]
-    )
+def _param_at(nodes: list[Node], position: int) -> torch.Tensor | None:
+    """The parameter of the accumulator at a plan's ``position`` (``NONE``: absent)."""
+    return None if position == NONE else nodes[position].variable  # type: ignore[attr-defined]
 
 
 def _scan_roots(root_nodes: Sequence[Node | None], nodes: list[Node]) -> list[int]:

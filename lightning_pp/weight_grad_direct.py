@@ -152,9 +152,8 @@ def weight_slots(
         # weight * x (an RMSNorm's scale) or x * weight; the weight straight from its
         # accumulator (a cast would put the engine's rounding to the cast dtype in between)
         for mine, theirs in ((ks[0], ks[1]), (ks[1], ks[0])):
-            if reach_in[theirs] and not reach_in[mine] and types[mine].__name__ == _ACC:
-                if not kids[mine]:
-                    return mine, NONE
+            if reach_in[theirs] and chain(mine) == mine:
+                return mine, NONE
         return None
     if kind == LAYER_NORM and ks and reach_in[ks[0]]:
         found = [chain(k) for k in ks[1:]]
@@ -247,7 +246,8 @@ class DirectJob:
             (x,) = self.saved  # the other factor
             if x.shape != g.shape:
                 raise RuntimeError(_released(self.kind, tuple(x.shape), tuple(g.shape)))
-            _accumulate(weight, (g * x).sum_to_size(weight.shape))  # type: ignore[arg-type]
+            assert weight is not None  # a scale's capture always has its weight
+            _accumulate(weight, (g * x).sum_to_size(weight.shape))
             return
         if bias is not None:
             _accumulate(bias, g.sum_to_size(bias.shape))
