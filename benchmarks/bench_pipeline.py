@@ -39,8 +39,10 @@ from benchmarks.workloads import Workload
 IMPLS = ("ours", "torch")
 # Extra implementations selectable with --impls (not in the default sweep): "ours-nomon" is ours
 # with the failure monitor off (abort_on_failure=False), to measure what reliability costs;
-# "ours-L<n>" is ours with recv_lookahead=n (e.g. ours-L1: receives posted just in time).
-EXTRA_IMPLS = ("ours-nomon", "ours-L1", "ours-L2", "ours-L4", "ours-L16")
+# "ours-L<n>" is ours with recv_lookahead=n (e.g. ours-L1: receives posted just in time);
+# "bare" runs our schedule's actions with nothing else (benchmarks/bare.py): what a bare executor
+# pays on this machine, the yardstick for the simulated-makespan targets.
+EXTRA_IMPLS = ("ours-nomon", "ours-L1", "ours-L2", "ours-L4", "ours-L16", "bare")
 SCHEDULE_VPP = {"gpipe": 1, "1f1b": 1, "interleaved": 2, "zb-h1": 1, "zbv": 2, "izb": 2}
 # Schedules only one side has: torch's interleaved zero bubble (ScheduleInterleavedZeroBubble
 # with 2 stages per rank) has no lightning_pp counterpart.
@@ -69,6 +71,10 @@ def _builder(impl: str):
         from benchmarks.ours import build_ours_step
 
         return build_ours_step
+    if impl == "bare":
+        from benchmarks.bare import build_bare_step
+
+        return build_bare_step
     if impl == "ours-nomon" or impl.startswith("ours-L"):
         import functools
 

@@ -10,6 +10,13 @@ workload, alternating implementations (see ``bench_pipeline.py``).
   measured per action in the same run by the engine's step records; peak saved activation bytes
   per rank against the schedule's bound.
 
+Each workload also runs ``bare`` (``benchmarks/bare.py``): our schedules' actions with nothing
+but the layers, the autograd calls and gloo's posted receives and sends. Its rows are no target.
+On the sleep workload they say what any executor pays on this machine, so a missed makespan
+target splits into the machine's share (bare / simulated) and the engine's (ours / bare). On the
+transformer it is no lower bound: its W re-enters the retained graph, where ours frees the
+graph at I and computes weight gradients directly.
+
 Usage:
     python benchmarks/bench_zero_bubble.py --out benchmarks/results/zero_bubble.md
     python benchmarks/bench_zero_bubble.py --out /tmp/zb.md --quick   # a minute, toy sizes
@@ -79,9 +86,11 @@ def _bound_bytes(schedule: str, pp: int, m: int, rank: int, chunk_bytes: list[fl
     return peak
 
 
-def _sweep(w: Workload, pp: int, m: int, rounds: int, steps: int, device: str) -> list[dict]:
+def _sweep(
+    w: Workload, pp: int, m: int, rounds: int, steps: int, device: str, impls: tuple[str, ...]
+) -> list[dict]:
     schedules = [s for s in dict.fromkeys(OURS + TORCH)]
-    return bench_pipeline.run(w, [pp], [m], schedules, ("ours", "torch"), rounds, steps, 2, device)
+    return bench_pipeline.run(w, [pp], [m], schedules, impls, rounds, steps, 2, device)
 
 
 def _table(recs: list[dict], costs: Costs | None) -> tuple[str, dict]:
@@ -103,7 +112,7 @@ def _table(recs: list[dict], costs: Costs | None) -> tuple[str, dict]:
                 f"{_bound_bytes(r['schedule'], pp, m, k, r['chunk_act_bytes'][k]) / 1024:.0f}"
                 for k in range(pp)
             )
-        name = r["schedule"] if r["impl"] == "ours" else TORCH_NAMES[r["schedule"]]
+        name = TORCH_NAMES[r["schedule"]] if r["impl"] == "torch" else r["schedule"]
         rows.append(
             f"| {r['impl']} | {name} | {med[key]:.1f} | {_iqr_ms(r)} | "
             f"{'' if ideal is None else f'{ideal:.1f}'} | "
@@ -154,6 +163,21 @@ def _verdicts(med: dict, recs: list[dict], costs: Costs) -> str:
             1.08,
             f"{med[('ours', r['schedule'])]:.1f} / {ideal:.1f} ms",
         )
+    floor = [r for r in recs if r["impl"] == "bare"]
+    if floor:
+        out += ["", "| yardstick (no target) | floor / simulated | ours / floor |", "|---|---|---|"]
+    for r in floor:
+        s = r["schedule"]
+        ideal = _ideal_ms(s, r["pp"], r["microbatches"], costs)
+        out.append(
+            f"| {s} | {med[('floor', s)] / ideal:.3f} ({med[('floor', s)]:.1f} / {ideal:.1f} ms)"
+            f" | {med[('ours', s)] / med[('floor', s)]:.3f} |"
+        )
+    if ("bare", "zbv") in med and ("bare", "1f1b") in med:
+        out.append(
+            f"| floor zbv / floor 1f1b | {med[('floor', 'zbv')] / med[('floor', '1f1b')]:.3f} "
+            f"(the zbv / 1f1b target's floor) | |"
+        )
     return "\n".join(out)
 
 
@@ -189,7 +213,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--workloads", nargs="+", default=["sleep", "transformer"])
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--no-bare", action="store_true", help="skip the bare executor's rows")
     a = ap.parse_args(argv)
+    impls = ("ours", "torch") if a.no_bare else ("ours", "torch", "bare")
     rounds = a.rounds or (2 if a.quick else 4)
     steps = a.steps or (2 if a.quick else 3)
     t = 0.005 if a.quick else 0.020
@@ -206,7 +232,7 @@ def main(argv: list[str] | None = None) -> None:
             w = Workload("sleep", t_f=t, t_b=2 * t, t_i=t, t_w=t)
         else:
             w = Workload("transformer", dim=64 if a.quick else 128, seq=32 if a.quick else 64)
-        recs = _sweep(w, a.pp, a.microbatches, rounds, steps, a.device)
+        recs = _sweep(w, a.pp, a.microbatches, rounds, steps, a.device, impls)
         end = bench_pipeline.machine_info()
         raw += recs
         md.append(

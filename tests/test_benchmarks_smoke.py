@@ -13,6 +13,7 @@ import os
 import sys
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -189,3 +190,45 @@ def test_split_free_ab_script():
         assert out[way]["step_ms"] > 0 and out[way]["I_ms"] > 0 and out[way]["W_ms"] > 0, way
     assert out["chunks_freed"]["freed"] and all(out["chunks_freed"]["freed"])
     assert out["chunks_freed"]["retained"] and not any(out["chunks_freed"]["retained"])
+
+
+def _bare_worker(rank: int, world: int) -> dict:
+    """One step of ours and of the bare executor per schedule, same layers and data: losses and
+    every local parameter gradient."""
+    from benchmarks.bare import build_bare_step
+    from benchmarks.harness import RankStats
+    from benchmarks.ours import build_ours_step
+
+    w = Workload("sleep", t_f=0.0005, t_i=0.0005, t_w=0.0005, width=8, mb_size=2)
+    dev = torch.device("cpu")
+    out = {}
+    for schedule, vpp in (("1f1b", 1), ("zb-h1", 1), ("zbv", 2), ("interleaved", 2)):
+        got = {}
+        for impl, build in (("ours", build_ours_step), ("bare", build_bare_step)):
+            step, params = build(w, schedule, world, vpp, 4, rank, dev, RankStats())
+            x, y = w.batch(4)
+            loss = step(x, y)
+            grads = [p.grad.flatten().tolist() for p in params]
+            got[impl] = (None if loss is None else float(loss), grads)
+        out[schedule] = got
+    return out
+
+
+def test_bare_executor_computes_what_ours_computes():
+    """benchmarks/bare.py is a ruler for step time: it must do all the work our engine does
+    (the same loss and the same gradient on every parameter), or it would read fast for free.
+    Gradients travel as lists: a tensor in the result queue outlives its sender."""
+    from distributed import run_distributed
+
+    for rank, res in enumerate(run_distributed(_bare_worker, 2, timeout=120)):
+        for schedule, got in res.items():
+            (l_ours, g_ours), (l_bare, g_bare) = got["ours"], got["bare"]
+            assert (l_ours is None) == (l_bare is None), (rank, schedule)
+            if l_ours is not None:
+                assert l_bare == pytest.approx(l_ours, rel=1e-6), (rank, schedule)
+            assert len(g_ours) == len(g_bare) > 0, (rank, schedule)
+            for a, b in zip(g_ours, g_bare):
+                assert torch.allclose(torch.tensor(a), torch.tensor(b), rtol=1e-6, atol=1e-9), (
+                    rank,
+                    schedule,
+                )
