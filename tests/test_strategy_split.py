@@ -4,8 +4,9 @@ The modules (tests/scripts/split_common.py) hold an unmodified GPT-2 (tied head)
 RMSNorm, untied), Qwen2 (tied) or nanoGPT-style GPT and implement only ``training_step`` /
 ``validation_step`` / ``test_step`` / ``predict_step`` as for a plain Trainer. One 4-process
 torchrun job trains every configuration in sequence (pp 2 and 4, vpp 1 and 2, dp 1 and 2,
-1F1B / interleaved, accumulation, clipping, bf16-mixed, the model built in ``configure_model``
-or in ``__init__``, a checkpoint resharded on load); this process runs the plain references.
+1F1B / interleaved / zbv / zb-h1, accumulation, clipping, bf16-mixed, the model built in
+``configure_model`` or in ``__init__``, a checkpoint resharded on load); this process runs the
+plain references.
 """
 
 from __future__ import annotations
@@ -52,23 +53,26 @@ CONFIGS = [
     ),
     # pp2 x dp2, interleaved (vpp 2)
     dict(name="llama_pp2_vpp2_dp2", model="llama", split=LLAMA, pp=2, vpp=2, microbatches=2),
-    # pp4 x vpp2 (8 stages of one block), the model built in __init__ (tied head)
+    # pp4 x vpp2 (8 stages of one block), the model built in __init__ (tied head); zbv's V
+    # placement puts the embedding and the tied head on rank 0, and m=4 < 2p
     dict(
-        name="nanogpt_pp4_vpp2",
+        name="nanogpt_pp4_vpp2_zbv",
         model="nanogpt",
         split="model.transformer.h",
         pp=4,
         vpp=2,
+        schedule="zbv",
         microbatches=4,
         build="init",
         clip=1.0,
     ),
-    # pp2 x dp2, bf16-mixed, tied head
+    # pp2 x dp2, bf16-mixed, tied head, split backward (unmodified HF layers free the graph at I)
     dict(
-        name="qwen2_pp2_dp2_bf16",
+        name="qwen2_pp2_dp2_bf16_zbh1",
         model="qwen2-tied",
         split=LLAMA,
         pp=2,
+        schedule="zb-h1",
         microbatches=2,
         precision="bf16-mixed",
     ),
