@@ -232,3 +232,39 @@ def test_bare_executor_computes_what_ours_computes():
                     rank,
                     schedule,
                 )
+
+
+def test_zero_bubble_report_renders_targets_and_bare_rows():
+    """bench_zero_bubble's tables from records shaped like bench_pipeline's (no processes): the
+    targets read ours and torch, the bare executor's rows divide by the simulated makespan and
+    ours by bare."""
+    from benchmarks import bench_zero_bubble as zb
+    from lightning_pp.schedules import Costs
+
+    costs = Costs(t_f=0.01, t_b=0.02, t_i=0.01, t_w=0.01)
+    recs = []
+    for impl, schedules, scale in (
+        ("ours", zb.OURS, 1.10),
+        ("torch", zb.TORCH, 1.15),
+        ("bare", zb.OURS, 1.05),
+    ):
+        for s in schedules:
+            ideal = zb._ideal_ms(s, 2, 4, costs) or 100.0
+            recs.append(
+                {
+                    "impl": impl,
+                    "schedule": s,
+                    "pp": 2,
+                    "microbatches": 4,
+                    "step_s": [ideal * scale / 1e3] * 3,
+                    "peak_saved_bytes": [[1024.0], [1024.0]],
+                    "chunk_act_bytes": [[512.0, 512.0], [512.0, 512.0]],
+                    "losses": [1.0],
+                }
+            )
+    table, med = zb._table(recs, costs)
+    assert table.count("| bare |") == len(zb.OURS)
+    text = zb._verdicts(med, recs, costs)
+    assert "| our zbv / simulated makespan <= 1.08 | 1.100" in text
+    assert "| zbv | 1.050 (" in text and f"| {1.10 / 1.05:.3f} |" in text
+    assert "| bare zbv / bare 1f1b |" in text
