@@ -150,8 +150,9 @@ def build_bare_step(
                 if layer_grads is None:  # the first stage: I was a no-op, W is the backward
                     torch.autograd.backward(out, g, inputs=chunk_params[c])
                 else:
-                    for y, gy, ps in zip(layer_outs, layer_grads, layer_params[c]):
-                        torch.autograd.backward(y, gy, inputs=ps)
+                    for h, gh, ps in zip(layer_outs, layer_grads, layer_params[c]):
+                        if ps:  # a layer without trainable weights has no W
+                            torch.autograd.backward(h, gh, inputs=ps)
                 del stash[c, mb]
                 continue
             if s == last:
