@@ -114,6 +114,10 @@ class _Group:
     # whether W's call for this group must retain the graph: some node it runs runs in another
     # group's call too (a weight used twice, with another layer between its uses)
     retain: bool = True
+    # per root, whether its kept gradient is its whole gradient (an intermediate: I's engine
+    # call summed every path into it) rather than one output's share (a root off the input
+    # path, given the caller's gradient: W's call must add what other roots send it)
+    complete: list[bool] = field(default_factory=list)
 
 
 @dataclass
@@ -192,10 +196,14 @@ class WeightWork:
             handles = []
             if len(group.roots) > 1:
                 # A root whose input path reaches another root of this group would add its
-                # recomputed share to that root's kept gradient: clamp each to what I kept.
-                for node, node_grads in zip(group.roots, group.grads):
-                    kept = tuple(node_grads)
-                    handles.append(node.register_prehook(lambda _g, kept=kept: kept))
+                # recomputed share to that root's kept gradient: clamp each intermediate to
+                # what I kept, its whole gradient. Not a root off the input path (the first
+                # stage's outputs): it holds only its output's gradient, and what the other
+                # roots send it (an output that another output was computed from) is the rest.
+                for node, node_grads, complete in zip(group.roots, group.grads, group.complete):
+                    if complete:
+                        kept = tuple(node_grads)
+                        handles.append(node.register_prehook(lambda _g, kept=kept: kept))
             try:
                 _run_backward(
                     tuple(edges),
@@ -584,6 +592,7 @@ def backward_input(
                 weights=[acc.variable for acc in acc_nodes],  # type: ignore[attr-defined]
                 accumulators=acc_nodes,
                 retain=retain,
+                complete=[p not in plan.direct for p in rs],
             )
         )
     return dx, WeightWork(groups=groups, graph_nodes=nodes, run_positions=plan.run)

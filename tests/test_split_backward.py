@@ -81,6 +81,20 @@ class TupleOut(nn.Module):
         return torch.tanh(self.lin(x)), (x[:, 0] > 0).long(), self.pos * 2
 
 
+class ForkOut(nn.Module):
+    """Two outputs, the second computed from the first: on the first stage both are roots of
+    W's call that share the first Linear's weights, and the first's gradient is its own output
+    gradient plus what flows back from the second (a clamp to the former lost the latter)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.a(x)
+        return h, self.b(torch.tanh(h))
+
+
 def _compare(model: nn.Module, x: torch.Tensor, *, x_grad: bool = True, expect_fused=False):
     ref = copy.deepcopy(model)
     x1 = x.clone().requires_grad_(x_grad)
@@ -116,6 +130,7 @@ MODELS = {
     "shared-weight": (Twice, (4, 8)),
     "checkpoint": (Checkpointed, (4, 8)),
     "tuple-out": (TupleOut, (4, 8)),
+    "output-feeds-output": (ForkOut, (4, 8)),
     "sleep-split": (
         lambda: nn.Sequential(*[SleepLayer(8, 0, t_i=0, t_w=0) for _ in range(2)]),
         (4, 8),
