@@ -100,6 +100,17 @@ class _Entry:
         return sum(self.saved_keys.values())
 
 
+def _held_elsewhere(t: torch.Tensor) -> bool:
+    """Whether a reference other than its Python object holds ``t``'s tensor: an autograd
+    node that saved it as an input (a Linear of the same chunk reading the chunk's output), a
+    view's base link. Swapping ``t``'s storage would change what that holder reads, so the
+    output release leaves such a tensor alone. A node that saved ``t`` as its own output (a
+    ``tanh``) keeps a shallow copy instead and does not count; neither does the send, which
+    holds a detached alias. ``False`` where this torch has no ``_use_count``."""
+    use_count = getattr(t, "_use_count", None)
+    return use_count is not None and use_count() > 1
+
+
 class Stash:
     """Per local chunk, the FIFO of forwards waiting for their backward, with running totals
     for the step record: ``inflight`` entries, ``nbytes`` of their (deduplicated) inputs and
@@ -165,13 +176,20 @@ class Stash:
         """Drop the newest entry's hold on its sent outputs' storage (the send keeps its own
         alias). Only an output's ``grad_fn`` is needed for backward (Megatron's
         ``deallocate_output_tensor``). Skipped for views (their storage belongs to another
-        tensor) and for leaves (an input passed straight through)."""
+        tensor), for leaves (an input passed straight through) and for an output something
+        else holds (:func:`_held_elsewhere`: typically a layer of the same chunk that also read
+        it and saved it for its backward, which would then read a 1-element tensor)."""
         entry = self.queues[chunk][-1]
         n_in = len(entry.inputs)
         self._drop(entry.held[n_in:])
         input_ptrs = {t.data_ptr() for t in entry.inputs}
         for t in entry.outputs:
-            if t._base is None and t.grad_fn is not None and t.data_ptr() not in input_ptrs:
+            if (
+                t._base is None
+                and t.grad_fn is not None
+                and t.data_ptr() not in input_ptrs
+                and not _held_elsewhere(t)
+            ):
                 t.data = torch.empty(1, dtype=t.dtype, device=t.device)
         entry.held[n_in:] = [self._hold(t) for t in entry.outputs]
 

@@ -8,7 +8,9 @@ import pytest
 import torch
 from distributed import DistributedFailure, run_distributed
 from engine_models import (
+    HID,
     IN,
+    OUT,
     grad_errors,
     make_chunks,
     mlp_batch,
@@ -170,3 +172,50 @@ def test_recv_lookahead_is_validated_and_resolved():
     for backend, want in (("nccl", 1), ("gloo", engine_mod.GLOO_RECV_LOOKAHEAD)):
         assert resolve(fake, None, backend) == want
         assert resolve(fake, 3, backend) == 3
+
+
+class _Fork(nn.Module):
+    """Sends ``h`` on and also feeds it to a Linear of its own chunk, which saves ``h`` for
+    its backward: the output release must not swap ``h``'s storage."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(IN, HID), nn.Linear(HID, HID)
+
+    def forward(self, x):
+        h = self.a(x)
+        return h, self.b(h)
+
+
+class _Join(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.c = nn.Linear(HID, OUT)
+
+    def forward(self, pair):
+        h, z = pair
+        return self.c(torch.tanh(h) * z)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "zbv"])
+def test_output_also_read_inside_its_chunk_is_not_released(schedule):
+    """A chunk output that a layer of the same chunk also saved (here a Linear reading it):
+    releasing it made the fused backward fail inside the engine's mm, and a graph-free W raise.
+    The release now skips it; every other output is still released, and the gradients match
+    the unpipelined reference."""
+    torch.manual_seed(3)
+    layers = [_Fork(), _Join()]
+    ref = copy.deepcopy(layers)
+    sched = build_schedule(schedule, pp=1, microbatches=3, vpp=2)
+    chunks, engine = _pp1_engine(sched, layers, release_outputs=True)
+    seen = []
+    chunks[0].register_forward_hook(lambda m, a, out: seen.append(out))
+    batch = mlp_batch(2, 6)
+    res = engine.train_step(batch)
+    ref_loss = run_reference(ref, batch, mse_loss("mean"))
+    assert abs(res.loss.item() - ref_loss.item()) <= 1e-6 * abs(ref_loss.item())
+    assert max(grad_errors(chunks, ref).values()) <= 1e-6
+    assert len(seen) == 3
+    for h, z in seen:
+        assert h.numel() > 1  # read by chunk 0's own Linear: kept
+        assert z.numel() == 1  # saved by nobody: released as before
