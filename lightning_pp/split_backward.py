@@ -200,7 +200,8 @@ class WeightWork:
                 # what I kept, its whole gradient. Not a root off the input path (the first
                 # stage's outputs): it holds only its output's gradient, and what the other
                 # roots send it (an output that another output was computed from) is the rest.
-                for node, node_grads, complete in zip(group.roots, group.grads, group.complete):
+                whole = group.complete or [True] * len(group.roots)  # unset: clamp every root
+                for node, node_grads, complete in zip(group.roots, group.grads, whole):
                     if complete:
                         kept = tuple(node_grads)
                         handles.append(node.register_prehook(lambda _g, kept=kept: kept))
