@@ -44,10 +44,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_pp.partition import PipelineChunk, partition_layers
-from lightning_pp.schedules import Op, build_schedule
+from lightning_pp.partition import PipelineChunk
+from lightning_pp.schedules import Op, Schedule
 
 from .harness import Instrumented, RankStats
+from .ours import build_chunks
 from .workloads import Workload
 
 
@@ -68,29 +69,25 @@ def build_bare_step(
     stats: RankStats,
 ) -> tuple[Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None], list[nn.Parameter]]:
     """Return ``(step(x, y) -> loss or None, local parameters)``, like the other builders."""
-    sched = build_schedule(schedule, pp=pp, microbatches=microbatches, vpp=vpp)
-    layers = workload.build_layers(pp)
-    ranges = partition_layers(len(layers), pp, sched.vpp)
+    inner: list[PipelineChunk] = []  # the chunks inside their meters, for their layers
+
+    def metered(sched: Schedule, c: int, chunk: PipelineChunk) -> nn.Module:
+        inner.append(chunk)
+        return Instrumented(chunk, stats, weight_hook=not sched.split_backward)
+
+    sched, chunks = build_chunks(workload, schedule, pp, vpp, microbatches, rank, device, metered)
     stages = sched.stages_of(rank)
     last = sched.num_stages - 1
-    chunks = [
-        Instrumented(
-            PipelineChunk([layers[i] for i in ranges[s]], ranges[s]),
-            stats,
-            weight_hook=not sched.split_backward,
-        ).to(device)
-        for s in stages
-    ]
     chunk_params = [[p for p in c.parameters() if p.requires_grad] for c in chunks]
     # Each layer's output, recorded by a forward hook during the chunk's F (see the module
     # docstring: W starts from them).
     outs: list[torch.Tensor] = []
     layer_params = []
-    for s in stages:
+    for chunk in inner:
         per_layer = []
-        for i in ranges[s]:
-            layers[i].register_forward_hook(lambda mod, args, out: outs.append(out))
-            per_layer.append([p for p in layers[i].parameters() if p.requires_grad])
+        for layer in chunk.layers:
+            layer.register_forward_hook(lambda mod, args, out: outs.append(out))
+            per_layer.append([p for p in layer.parameters() if p.requires_grad])
         layer_params.append(per_layer)
     shape = workload.sample_shape()
     actions = sched.ranks[rank]

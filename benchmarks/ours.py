@@ -28,6 +28,29 @@ from .workloads import Workload
 STATIC_SHAPES = True
 
 
+def build_chunks(
+    workload: Workload,
+    schedule: str,
+    pp: int,
+    vpp: int,
+    microbatches: int,
+    rank: int,
+    device: torch.device,
+    wrap: Callable[[Schedule, int, PipelineChunk], nn.Module] | None = None,
+) -> tuple[Schedule, list[nn.Module]]:
+    """The schedule and this rank's chunks of the workload's layers, in local chunk order,
+    following the schedule's placement (V for zbv); each chunk passed through
+    ``wrap(schedule, local chunk index, chunk)`` if given (a meter), then moved to ``device``."""
+    layers = workload.build_layers(pp)
+    sched = build_schedule(schedule, pp=pp, microbatches=microbatches, vpp=vpp)
+    ranges = partition_layers(len(layers), pp, sched.vpp)
+    chunks = []
+    for c, s in enumerate(sched.stages_of(rank)):
+        chunk = PipelineChunk([layers[i] for i in ranges[s]], ranges[s])
+        chunks.append((wrap(sched, c, chunk) if wrap is not None else chunk).to(device))
+    return sched, chunks
+
+
 def build_ours_engine(
     workload: Workload,
     schedule: str,
@@ -42,18 +65,11 @@ def build_ours_engine(
     **engine_kw: Any,
 ) -> tuple[PipelineEngine, list[nn.Parameter], bool]:
     """This rank's :class:`PipelineEngine` over the workload's layers: ``(engine, local
-    parameters, holds the last stage)``. Chunks follow the schedule's placement (V for zbv),
-    each passed through ``wrap(schedule, local chunk index, chunk)`` if given (a meter);
+    parameters, holds the last stage)``. Chunks from :func:`build_chunks` (``wrap``: a meter);
     ``groups``: process groups to share (built for this topology when ``None``); ``engine_kw``
     go to the engine.
     """
-    layers = workload.build_layers(pp)
-    sched = build_schedule(schedule, pp=pp, microbatches=microbatches, vpp=vpp)
-    ranges = partition_layers(len(layers), pp, sched.vpp)
-    chunks = []
-    for c, s in enumerate(sched.stages_of(rank)):
-        chunk = PipelineChunk([layers[i] for i in ranges[s]], ranges[s])
-        chunks.append((wrap(sched, c, chunk) if wrap is not None else chunk).to(device))
+    sched, chunks = build_chunks(workload, schedule, pp, vpp, microbatches, rank, device, wrap)
     topo = PipelineTopology.from_world(dist.get_world_size(), rank, pp=pp)
     engine = PipelineEngine(
         chunks,
