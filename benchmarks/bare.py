@@ -8,7 +8,7 @@ Whether a target is out of reach for a plain executor too, or only for lightning
 is a measurement: run the very same actions with nothing but what they need and see. On the
 virtual device (layers of custom autograd Functions, which our engine does not split further)
 that is a lower bound in practice; on real layers it is not, since the engine's graph-free ``I``
-/ ``W`` (:mod:`lightning_pp.weight_grad_direct`) does less work than the second engine pass
+/ ``W`` (:mod:`lightning_pp.runtime.weight_grad_direct`) does less work than the second engine pass
 here.
 
 What it does, and nothing more:
@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_pp.partition import PipelineChunk
+from lightning_pp.layout.partition import PipelineChunk
 from lightning_pp.schedules import Op, Schedule
 
 from .harness import Instrumented, RankStats

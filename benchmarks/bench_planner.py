@@ -52,7 +52,7 @@ import torch
 from torch.nn import functional as F
 
 from benchmarks.harness import machine_info
-from lightning_pp.plan import PreflightError
+from lightning_pp.layout.rules import PreflightError
 from lightning_pp.planner.profile import DEFAULT_LATENCY_S, DEFAULT_OVERHEAD_S, ModelProfile
 from lightning_pp.planner.profiler import profile_layers, profiling_threads
 from lightning_pp.planner.search import describe_shape, make_candidate, predict

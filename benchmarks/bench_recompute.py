@@ -43,8 +43,8 @@ from benchmarks.harness import RankStats, gather_floats, launch, machine_info, t
 from benchmarks.ours import build_ours_engine
 from benchmarks.peer_torch import build_torch_step
 from benchmarks.workloads import Workload
-from lightning_pp.recompute_plan import RecomputeBudgetError, plan_auto
-from lightning_pp.topology import PipelineTopology, build_process_groups
+from lightning_pp.layout.topology import PipelineTopology, build_process_groups
+from lightning_pp.planner.recompute import RecomputeBudgetError, plan_auto
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")
 VPP = {"gpipe": 1, "1f1b": 1, "interleaved": 2, "zb-h1": 1, "zbv": 2}

@@ -1,5 +1,5 @@
 """lightning_pp's side of the comparison: the same layers, cut by ``partition_layers``, run by
-:class:`~lightning_pp.engine.PipelineEngine` with the project's own schedules.
+:class:`~lightning_pp.runtime.engine.PipelineEngine` with the project's own schedules.
 
 Example (inside an initialised process group of ``pp`` ranks):
     >>> step, params = build_ours_step(w, "1f1b", pp, 1, m, rank, dev, stats)  # doctest: +SKIP
@@ -15,10 +15,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_pp.engine import PipelineEngine
-from lightning_pp.partition import PipelineChunk, partition_layers
+from lightning_pp.layout.partition import PipelineChunk, partition_layers
+from lightning_pp.layout.topology import PipelineTopology, build_process_groups
+from lightning_pp.runtime.engine import PipelineEngine
 from lightning_pp.schedules import Schedule, build_schedule
-from lightning_pp.topology import PipelineTopology, build_process_groups
 
 from .harness import Instrumented, RankStats
 from .peer_torch import stage_layers, torch_stage

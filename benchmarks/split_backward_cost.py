@@ -7,14 +7,14 @@ cores; here one process measures the middle stage of the ``transformer`` workloa
 round by round in a random order, so drift and contention hit all of them alike:
 
 * ``fused``: a plain forward, then one fused backward (what 1f1b's ``B`` runs);
-* ``split``: a plain forward, then :func:`~lightning_pp.split_backward.backward_input` and
-  :meth:`~lightning_pp.split_backward.WeightWork.run` (``I`` and ``W`` alone), the graph
+* ``split``: a plain forward, then :func:`~lightning_pp.runtime.split_backward.backward_input` and
+  :meth:`~lightning_pp.runtime.split_backward.WeightWork.run` (``I`` and ``W`` alone), the graph
   retained from ``I`` to ``W`` (``W`` makes one engine call per layer);
 * ``engine``: as ``engine_step`` runs a split schedule: ``I`` with ``free_graph=True`` (where
   every layer ``W`` runs is a Linear or a norm, ``I`` frees the graph as it runs, ``W`` keeps
   only their inputs and computes their weight gradients directly:
-  :mod:`~lightning_pp.weight_grad_direct`), the forward then without hooks; otherwise the
-  forward under a :class:`~lightning_pp.saved_for_w.SavedForW`, and ``I`` followed by
+  :mod:`~lightning_pp.runtime.weight_grad_direct`), the forward then without hooks; otherwise the
+  forward under a :class:`~lightning_pp.runtime.saved_for_w.SavedForW`, and ``I`` followed by
   ``work.nodes()`` and the trim (the trim counts in ``t_i``: the engine does it inside the
   ``I`` action);
 * ``torch``: torch's own split, ``torch.distributed.pipelining._backward``'s
@@ -39,7 +39,7 @@ Usage:
 ``--baseline``: another ``split_backward.py`` measured in the same rounds (``split-base``,
 ``engine-base``), the fair before/after on a machine whose load drifts::
 
-    git show caffe28:lightning_pp/split_backward.py > /tmp/split_backward_base.py
+    git show caffe28:lightning_pp/runtime/split_backward.py > /tmp/split_backward_base.py
     nice -n 19 python benchmarks/split_backward_cost.py --baseline /tmp/split_backward_base.py
 """
 
@@ -66,8 +66,8 @@ import torch
 from torch import nn
 
 from benchmarks.workloads import Block
-from lightning_pp import split_backward as sb
-from lightning_pp.saved_for_w import SavedForW
+from lightning_pp.runtime import split_backward as sb
+from lightning_pp.runtime.saved_for_w import SavedForW
 
 
 class _Clock:
@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument(
         "--baseline",
         help="another split_backward.py to measure in the same rounds (modes split-base, "
-        "engine-base), e.g. from `git show caffe28:lightning_pp/split_backward.py`",
+        "engine-base), e.g. from `git show caffe28:lightning_pp/runtime/split_backward.py`",
     )
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)

@@ -36,7 +36,7 @@ from benchmarks.bench_pipeline import SCHEDULE_VPP
 from benchmarks.harness import launch
 from benchmarks.ours import build_ours_engine
 from benchmarks.workloads import Workload
-from lightning_pp import split_backward
+from lightning_pp.runtime import split_backward
 
 WAYS = ("retained", "freed")
 

@@ -27,7 +27,7 @@ import lightning as L
 import torch
 
 from lightning_pp import PipelineStrategy
-from lightning_pp.data import StdlibCharDataModule
+from lightning_pp.models.data import StdlibCharDataModule
 
 
 class HFCausalLM(L.LightningModule):

@@ -21,7 +21,7 @@ launch() {  # launch NODE_RANK MASTER_ADDR CONFIG [overrides...]
   shift 2
   torchrun --nnodes 2 --node_rank "$node_rank" --nproc_per_node "$NPROC" \
     --master_addr "$master" --master_port "$PORT" \
-    -m lightning_pp.cli fit "$@"
+    -m lightning_pp fit "$@"
 }
 
 if [[ ${1:-} == loopback ]]; then

@@ -20,10 +20,10 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "PipelineStrategy": "lightning_pp.strategy",
-    "PipelineCheckpointIO": "lightning_pp.checkpoint_io",
-    "PipelineLayers": "lightning_pp.model",
-    "PipelineMixin": "lightning_pp.model",
-    "select_layers": "lightning_pp.model",
+    "PipelineCheckpointIO": "lightning_pp.checkpoint.plain_io",
+    "PipelineLayers": "lightning_pp.strategy.model",
+    "PipelineMixin": "lightning_pp.strategy.model",
+    "select_layers": "lightning_pp.strategy.model",
     "GPT": "lightning_pp.models.gpt",
 }
 

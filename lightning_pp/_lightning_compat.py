@@ -102,7 +102,8 @@ def model_summary_settings(callback: Any) -> tuple[int, dict[str, Any]]:
     model summary callback (``ModelSummary``, ``RichModelSummary``).
 
     Why: under the strategy the summary must gather every stage's rows before printing
-    (:mod:`lightning_pp.model_summary`); the pipeline's version of ``on_fit_start`` needs the
+    (:mod:`lightning_pp.strategy.model_summary`); the pipeline's version of ``on_fit_start`` needs
+    the
     depth and the printing options the user gave the callback, which Lightning keeps only in these
     attributes.
     """
@@ -150,7 +151,8 @@ def subprocess_script_launcher(
     rank; nothing when torchrun/SLURM started the processes); Lightning exposes the launcher only
     as this private class. Its ``launch`` is re-stated (validate, ``_call_children_scripts``,
     ``_set_num_threads_if_needed``, run) to swap Lightning's child-process observer for
-    :class:`lightning_pp.processes.ChildSupervisor`: Lightning's kills every process at its next
+    :class:`lightning_pp.runtime.processes.ChildSupervisor`: Lightning's kills every process at its
+    next
     5-second poll after a child fails (often before the survivors said who failed) and leaves
     the children running when the launcher itself fails (they end up with parent pid 1).
     """
@@ -158,7 +160,7 @@ def subprocess_script_launcher(
     from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-    from .processes import ChildSupervisor
+    from .runtime.processes import ChildSupervisor
 
     class SupervisingSubprocessLauncher(_SubprocessScriptLauncher):
         def launch(self, function: Any, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:

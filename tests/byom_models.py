@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_pp.microbatch import split_microbatches
+from lightning_pp.runtime.microbatch import split_microbatches
 
 VOCAB, HIDDEN, LAYERS, HEADS = 64, 32, 8, 4
 

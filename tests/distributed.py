@@ -110,7 +110,7 @@ def _worker(
 
 
 #: what the forkserver imports once; each rank is forked from it with these loaded
-PRELOAD = ["torch", "torch.distributed", "lightning_pp.engine"]
+PRELOAD = ["torch", "torch.distributed", "lightning_pp.runtime.engine"]
 
 
 def _context() -> Any:

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_pp.partition import PipelineChunk, local_layer_indices, partition_layers
+from lightning_pp.layout.partition import PipelineChunk, local_layer_indices, partition_layers
 
 NUM_LAYERS = 8
 IN, HID, OUT = 6, 16, 3

@@ -15,7 +15,7 @@ from lightning_pp.autosplit import (
     StagedModel,
     meta_build,
 )
-from lightning_pp.microbatch import split_microbatches
+from lightning_pp.runtime.microbatch import split_microbatches
 
 pytest.importorskip("transformers")
 
@@ -252,7 +252,7 @@ def test_the_plain_model_still_runs_outside_a_stage():
 def test_logs_of_the_last_stage_are_averaged_over_microbatches():
     """``self.log`` inside a split step: weighted by microbatch size like the loss; calls made
     on other stages (weight None) are dropped; non-scalars are refused."""
-    from lightning_pp.autosplit.strategy_glue import _LogCapture
+    from lightning_pp.strategy.split_build import _LogCapture
 
     cap = _LogCapture()
     cap.weight = 2

@@ -17,10 +17,10 @@ from byom_models import lm_batch, model_fn, reference_step
 from distributed import run_distributed
 
 from lightning_pp.autosplit import EngineStages, StagedModel, meta_build
-from lightning_pp.engine import PipelineEngine
-from lightning_pp.microbatch import split_microbatches
+from lightning_pp.layout.topology import PipelineTopology, build_process_groups
+from lightning_pp.runtime.engine import PipelineEngine
+from lightning_pp.runtime.microbatch import split_microbatches
 from lightning_pp.schedules import build_schedule
-from lightning_pp.topology import PipelineTopology, build_process_groups
 
 pytest.importorskip("transformers")
 

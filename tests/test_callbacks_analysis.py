@@ -22,7 +22,7 @@ from lightning_pp.callbacks.analysis import (
     trace_events,
 )
 from lightning_pp.callbacks.gather import _pack, _unpack, gather_records
-from lightning_pp.records import StepEvent, StepRecord
+from lightning_pp.runtime.records import StepEvent, StepRecord
 from lightning_pp.schedules import Costs, Op, build_schedule, render_gantt, simulate
 
 SHAPES = [("gpipe", 1, 8), ("1f1b", 1, 8), ("1f1b", 1, 5), ("interleaved", 2, 8)]
@@ -332,7 +332,7 @@ def test_recompute_inside_measured_backward_is_in_the_expectation(name, vpp, m):
 
 
 def _rank_plan(rank, pp_rank, positions, added_s):
-    from lightning_pp.recompute_plan import RankPlan
+    from lightning_pp.planner.recompute import RankPlan
 
     return RankPlan(
         rank=rank,
@@ -349,7 +349,7 @@ def _rank_plan(rank, pp_rank, positions, added_s):
 
 
 def test_plan_recompute_costs_per_microbatch_split_by_layers_and_averaged_over_dp():
-    from lightning_pp.recompute_plan import RecomputePlan
+    from lightning_pp.planner.recompute import RecomputePlan
 
     s = build_schedule("1f1b", pp=2, microbatches=4)
     plan = RecomputePlan(
@@ -376,7 +376,7 @@ def test_plan_recompute_costs_put_second_forwards_on_w():
     the plan's added time splits into Costs(recompute=) on I and Costs(recompute_w=) on W."""
     from dataclasses import replace
 
-    from lightning_pp.recompute_plan import RecomputePlan
+    from lightning_pp.planner.recompute import RecomputePlan
 
     s = build_schedule("zb-h1", pp=2, microbatches=4)
     # pp_rank 1 recomputes layers 2, 3 (0.1 s each per microbatch), layer 3 again for W
@@ -397,8 +397,8 @@ def test_plan_recompute_costs_put_second_forwards_on_w():
 def test_recompute_labels_and_stats():
     from torch import nn
 
-    from lightning_pp.partition import PipelineChunk
-    from lightning_pp.recompute import install_recompute
+    from lightning_pp.layout.partition import PipelineChunk
+    from lightning_pp.runtime.recompute import install_recompute
 
     class Block(nn.Module):
         def __init__(self):

@@ -45,10 +45,10 @@ def _case(
 def _run_cases(rank: int, world: int, cases: list[dict]) -> list[dict]:
     from lightning_pp.callbacks.analysis import bubble_stats, measured_costs, memory_stats
     from lightning_pp.callbacks.gather import gather_records
-    from lightning_pp.engine import PipelineEngine
+    from lightning_pp.layout.topology import PipelineTopology, build_process_groups
     from lightning_pp.models.virtual_device import SleepLayer
+    from lightning_pp.runtime.engine import PipelineEngine
     from lightning_pp.schedules import build_schedule, simulate
-    from lightning_pp.topology import PipelineTopology, build_process_groups
 
     topo = PipelineTopology.from_world(world, rank, pp=PP)
     groups = build_process_groups(topo)

@@ -29,13 +29,13 @@ sys.path.insert(0, str(ROOT / "tests" / "scripts"))
 from ckpt_launch import launch  # noqa: E402
 from pp_common import MODEL_KW  # noqa: E402
 
-from lightning_pp.checkpoint import (  # noqa: E402
+from lightning_pp.checkpoint.sharded import (  # noqa: E402
     CheckpointError,
     consolidate_checkpoint,
     is_pipeline_checkpoint,
     read_index,
 )
-from lightning_pp.cli import main as cli_main  # noqa: E402
+from lightning_pp.commands.cli import main as cli_main  # noqa: E402
 from lightning_pp.models import GPT  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)

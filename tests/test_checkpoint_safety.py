@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 
 from pp_common import MODEL_KW  # noqa: E402
 
-from lightning_pp.checkpoint import (  # noqa: E402
+from lightning_pp.checkpoint.sharded import (  # noqa: E402
     CheckpointError,
     consolidate_checkpoint,
     load_metadata,
@@ -34,7 +34,7 @@ from lightning_pp.checkpoint import (  # noqa: E402
     save_sharded_checkpoint,
     tied_canonical_names,
 )
-from lightning_pp.cli import main as cli_main  # noqa: E402
+from lightning_pp.commands.cli import main as cli_main  # noqa: E402
 from lightning_pp.models import GPT  # noqa: E402
 
 N_LAYERS = MODEL_KW["n_layer"] + 2  # embedding, blocks, head

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_pp.checkpoint import (
+from lightning_pp.checkpoint.sharded import (
     CheckpointError,
     adapt_scheduler_state,
     load_model_shard,
@@ -16,7 +16,7 @@ from lightning_pp.checkpoint import (
     save_sharded_checkpoint,
     tied_canonical_names,
 )
-from lightning_pp.model import PipelineLayers
+from lightning_pp.strategy.model import PipelineLayers
 
 
 class Tiny(nn.Module):

@@ -16,8 +16,8 @@ sys.path.insert(0, str(ROOT / "tests" / "scripts"))
 
 from ckpt_launch import launch  # noqa: E402
 
-from lightning_pp.checkpoint import read_index  # noqa: E402
-from lightning_pp.cli import main as cli_main  # noqa: E402
+from lightning_pp.checkpoint.sharded import read_index  # noqa: E402
+from lightning_pp.commands.cli import main as cli_main  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
 

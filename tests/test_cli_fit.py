@@ -92,14 +92,14 @@ def read_losses(path: Path) -> list[tuple[int, float]]:
         return [(int(r["step"]), float(r["loss"])) for r in csv.DictReader(f)]
 
 
-CLI = [sys.executable, "-m", "lightning_pp.cli"]
+CLI = [sys.executable, "-m", "lightning_pp"]
 
 
 # ------------------------------------------------------------------------------ plan
 
 
 def test_plan_demo_shows_partition_and_schedule(capsys):
-    from lightning_pp.cli import main
+    from lightning_pp.commands.cli import main
 
     assert main(["plan", str(REPO / DEMO)]) == 0
     out = capsys.readouterr().out
@@ -122,7 +122,7 @@ def test_gpu_template_plans_without_allocating_the_model(tmp_path):
     """1.07B parameters would be 4.3 GB in fp32; the planning process must stay far below."""
     script = (
         "import resource, sys\n"
-        "from lightning_pp.cli import main\n"
+        "from lightning_pp.commands.cli import main\n"
         f"rc = main(['plan', {GPU_TEMPLATE!r}])\n"
         "print('MAXRSS_KB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n"
         "sys.exit(rc)\n"
@@ -143,7 +143,7 @@ def test_gpu_template_plans_without_allocating_the_model(tmp_path):
 
 def test_meta_model_info_counts_without_storage():
     from lightning_pp.commands._common import meta_model_info
-    from lightning_pp.config import load_config
+    from lightning_pp.commands.config import load_config
 
     info = meta_model_info(load_config(REPO / GPU_TEMPLATE))
     assert info.on_meta
@@ -179,7 +179,7 @@ def test_fit_single_launcher_and_torchrun_two_nodes_give_same_losses(tmp_path):
                 sys.executable, "-m", "torch.distributed.run",
                 "--nnodes", "2", "--node_rank", str(node_rank), "--nproc_per_node", "2",
                 "--master_addr", "127.0.0.1", "--master_port", str(port),
-                "-m", "lightning_pp.cli", "fit", DEMO, *TINY,
+                "-m", "lightning_pp", "fit", DEMO, *TINY,
                 "sample.enabled=false", "--losses-out", str(tmp_path / f"node{node_rank}.csv"),
             ]
         )  # fmt: skip
@@ -202,7 +202,7 @@ def test_fit_single_launcher_and_torchrun_two_nodes_give_same_losses(tmp_path):
 
 @pytest.mark.parametrize("config", sorted(p.name for p in (REPO / "configs").glob("*.yaml")))
 def test_every_shipped_config_plans(config, capsys, monkeypatch):
-    from lightning_pp.cli import main
+    from lightning_pp.commands.cli import main
 
     # configs/finetune_hf_cpu.yaml names a module of examples/ (run with PYTHONPATH=examples)
     monkeypatch.syspath_prepend(str(REPO / "examples"))

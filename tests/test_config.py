@@ -1,4 +1,4 @@
-"""Run-file loading and checking (lightning_pp.config) and the CLI's user-error path.
+"""Run-file loading and checking (lightning_pp.commands.config) and the CLI's user-error path.
 
 Everything here runs in-process and starts no worker processes.
 """
@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from lightning_pp.cli import main
 from lightning_pp.commands._common import check_run
+from lightning_pp.commands.cli import main
+from lightning_pp.commands.config import ConfigError, instantiate, load_config
 from lightning_pp.commands.fit import build_model_and_data
-from lightning_pp.config import ConfigError, instantiate, load_config
-from lightning_pp.launch import detect_launch_environment
+from lightning_pp.commands.launch import detect_launch_environment
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "configs" / "demo_cpu.yaml"
@@ -322,7 +322,7 @@ def test_progress_bar_tokens_and_pipeline_bubble():
 
     import torch
 
-    from lightning_pp.progress import batch_tokens, pipeline_bubble
+    from lightning_pp.callbacks.progress import batch_tokens, pipeline_bubble
 
     ids = torch.zeros(4, 16, dtype=torch.long)
     assert batch_tokens((ids, ids)) == 64

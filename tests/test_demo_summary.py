@@ -2,7 +2,8 @@
 timeline PNG, and its redirected output is plain lines (no carriage-return frames).
 
 Not a timing test: the run is tiny; only files and lines are checked. The helpers in
-:mod:`lightning_pp.summary` and :mod:`lightning_pp.progress` are unit-tested without processes.
+:mod:`lightning_pp.callbacks.summary` and :mod:`lightning_pp.callbacks.progress` are unit-tested
+without processes.
 """
 
 from __future__ import annotations
@@ -17,10 +18,15 @@ from types import SimpleNamespace
 import pytest
 from test_cli_fit import CLI, DEMO, run_all
 
-from lightning_pp.progress import FinalValidation, Throughput, pipeline_bubble
-from lightning_pp.records import StepEvent, StepRecord
+from lightning_pp.callbacks.progress import FinalValidation, Throughput, pipeline_bubble
+from lightning_pp.callbacks.summary import (
+    BUBBLE_EXPECTED_KEY,
+    BUBBLE_KEY,
+    format_summary,
+    window_bubble,
+)
+from lightning_pp.runtime.records import StepEvent, StepRecord
 from lightning_pp.schedules import build_schedule, simulate
-from lightning_pp.summary import BUBBLE_EXPECTED_KEY, BUBBLE_KEY, format_summary, window_bubble
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -25,9 +25,9 @@ from engine_models import (
     tuple_layers,
 )
 
-from lightning_pp.engine import GLOO_RECV_LOOKAHEAD, PipelineEngine
+from lightning_pp.layout.topology import PipelineTopology, build_process_groups
+from lightning_pp.runtime.engine import GLOO_RECV_LOOKAHEAD, PipelineEngine
 from lightning_pp.schedules import Op, build_schedule
-from lightning_pp.topology import PipelineTopology, build_process_groups
 
 WORLD = 4
 STEPS = 5

@@ -20,10 +20,10 @@ from engine_models import (
 )
 from torch import nn
 
-from lightning_pp.engine import PipelineEngine, PipelineStepError
-from lightning_pp.partition import PipelineChunk
+from lightning_pp.layout.partition import PipelineChunk
+from lightning_pp.layout.topology import PipelineTopology, build_process_groups
+from lightning_pp.runtime.engine import PipelineEngine, PipelineStepError
 from lightning_pp.schedules import Action, Op, Schedule, build_schedule
-from lightning_pp.topology import PipelineTopology, build_process_groups
 
 WORLD = 6  # pp=2, dp=3: pipelines {0, 3}, {1, 4}, {2, 5}, one broken in a different way each
 
@@ -158,7 +158,7 @@ def test_batch_smaller_than_microbatches():
 def test_recv_lookahead_is_validated_and_resolved():
     from types import SimpleNamespace
 
-    import lightning_pp.engine as engine_mod
+    import lightning_pp.runtime.engine as engine_mod
 
     sched = build_schedule("gpipe", pp=1, microbatches=2)
     with pytest.raises(ValueError, match="recv_lookahead must be a positive integer, got 0"):

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from lightning_pp.microbatch import batch_size_of, split_microbatches
+from lightning_pp.runtime.microbatch import batch_size_of, split_microbatches
 
 
 def test_nested_split_and_replication():
@@ -31,10 +31,10 @@ def test_saved_bytes_of_a_first_layer_on_a_batch_view_are_the_microbatch(copy_in
     microbatch's bytes, not the whole batch's storage once per microbatch in flight."""
     from torch import nn
 
-    from lightning_pp.engine import PipelineEngine
-    from lightning_pp.partition import PipelineChunk
+    from lightning_pp.layout.partition import PipelineChunk
+    from lightning_pp.layout.topology import PipelineTopology
+    from lightning_pp.runtime.engine import PipelineEngine
     from lightning_pp.schedules import build_schedule
-    from lightning_pp.topology import PipelineTopology
 
     m, mb_size, width = 4, 3, 8
     topo = PipelineTopology.from_world(1, 0, pp=1)

@@ -6,10 +6,10 @@ from __future__ import annotations
 import torch
 
 from lightning_pp.callbacks.gather import _pack, _unpack
-from lightning_pp.engine_step import ChunkPlace, Stash, _Entry, place_chunks
-from lightning_pp.records import StepRecorder
+from lightning_pp.layout.topology import PipelineTopology
+from lightning_pp.runtime.engine_step import ChunkPlace, Stash, _Entry, place_chunks
+from lightning_pp.runtime.records import StepRecorder
 from lightning_pp.schedules import Action, Op, Schedule, build_schedule
-from lightning_pp.topology import PipelineTopology
 
 
 def _rescanned_bytes(stash: Stash) -> int:

@@ -20,10 +20,10 @@ from engine_models import (
     tuple_layers,
 )
 
-from lightning_pp.engine import PipelineEngine
-from lightning_pp.partition import PipelineChunk, partition_layers
+from lightning_pp.layout.partition import PipelineChunk, partition_layers
+from lightning_pp.layout.topology import PipelineTopology, build_process_groups
+from lightning_pp.runtime.engine import PipelineEngine
 from lightning_pp.schedules import Action, Op, Schedule, validate
-from lightning_pp.topology import PipelineTopology, build_process_groups
 
 PP, M, STEPS, TOL = 2, 3, 3, 1e-6
 CASES = [

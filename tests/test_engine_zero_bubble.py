@@ -27,11 +27,11 @@ from engine_models import (
 )
 from torch import nn
 
-from lightning_pp.engine import PipelineEngine
-from lightning_pp.grad_sync import DeferredGradSync
-from lightning_pp.partition import PipelineChunk, partition_layers
+from lightning_pp.layout.partition import PipelineChunk, partition_layers
+from lightning_pp.layout.topology import PipelineTopology, build_process_groups
+from lightning_pp.runtime.engine import PipelineEngine
+from lightning_pp.runtime.grad_sync import DeferredGradSync
 from lightning_pp.schedules import Op, build_schedule
-from lightning_pp.topology import PipelineTopology, build_process_groups
 
 WORLD, STEPS, TOL = 4, 3, 1e-6
 SEQ_LENS = [5, 7, 3]

@@ -23,11 +23,11 @@ from distributed import DistributedFailure, run_distributed
 from engine_models import make_chunks, mlp_batch, mlp_layers, mse_loss
 from torch import nn
 
-from lightning_pp.engine import PipelineEngine, PipelineStepError
-from lightning_pp.failure import FailureMonitor, PipelineAborted, report_failure
-from lightning_pp.numerics import NonFiniteError
+from lightning_pp.layout.topology import PipelineTopology, ProcessGroups, build_process_groups
+from lightning_pp.runtime.engine import PipelineEngine, PipelineStepError
+from lightning_pp.runtime.failure import FailureMonitor, PipelineAborted, report_failure
+from lightning_pp.runtime.numerics import NonFiniteError
 from lightning_pp.schedules import Action, Op, Schedule, build_schedule
-from lightning_pp.topology import PipelineTopology, ProcessGroups, build_process_groups
 
 WORLD = 3  # pp=3: rank 0 first, rank 1 middle, rank 2 last
 M = 4  # microbatches
@@ -496,8 +496,8 @@ COLLECTIVE_WATCHDOG = 1.0
 
 
 def _collective(kind, rank, group, world_size):
-    from lightning_pp.grad_sync import DeferredGradSync, TiedGroup, TiedParameterSync
-    from lightning_pp.process_strategy import ProcessGroupStrategy
+    from lightning_pp.runtime.grad_sync import DeferredGradSync, TiedGroup, TiedParameterSync
+    from lightning_pp.strategy.process_group import ProcessGroupStrategy
 
     p = nn.Parameter(torch.ones(4))
     p.grad = torch.ones(4)
@@ -518,8 +518,8 @@ def _collective(kind, rank, group, world_size):
 
 
 def _collective_worker(rank, world_size, cases):
-    import lightning_pp.process_strategy  # noqa: F401  (imported before any timing: slow)
-    from lightning_pp.failure import set_collective_monitor
+    import lightning_pp.strategy.process_group  # noqa: F401  (imported before any timing: slow)
+    from lightning_pp.runtime.failure import set_collective_monitor
 
     base = dist.distributed_c10d._get_default_store()
     out = []

@@ -13,7 +13,8 @@ import warnings
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lightning_pp.plan import PipelinePlan, PipelineWarning
+from lightning_pp.layout.plan import PipelinePlan
+from lightning_pp.layout.rules import PipelineWarning
 from lightning_pp.schedules import peak_inflight, validate
 
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -112,7 +112,7 @@ def _gpt(**kw):
 def test_capture_records_log_and_log_dict_instead_of_logging():
     import torch
 
-    from lightning_pp.stage_logging import capture_logs
+    from lightning_pp.strategy.stage_logging import capture_logs
 
     module = _gpt()
     with capture_logs(module, "pipeline_eval_step", rank=3) as calls:
@@ -130,7 +130,7 @@ def test_capture_rejects_what_cannot_be_replayed_on_other_ranks():
     import torch
     from torchmetrics.classification import MulticlassAccuracy
 
-    from lightning_pp.stage_logging import capture_logs
+    from lightning_pp.strategy.stage_logging import capture_logs
 
     module = _gpt()
     with pytest.raises(TypeError, match=r"rank 1: self.log\('acc', <MulticlassAccuracy>\)"):
@@ -145,7 +145,7 @@ def test_capture_rejects_what_cannot_be_replayed_on_other_ranks():
 def test_replay_syncs_over_the_data_parallel_group():
     import torch
 
-    from lightning_pp.stage_logging import LogCall, replay_logs
+    from lightning_pp.strategy.stage_logging import LogCall, replay_logs
 
     class Sink:
         def __init__(self):
@@ -166,7 +166,7 @@ def test_replay_syncs_over_the_data_parallel_group():
 
 
 def test_refuse_names_the_hook_and_where_to_log():
-    from lightning_pp.stage_logging import refuse_logs
+    from lightning_pp.strategy.stage_logging import refuse_logs
 
     module = _gpt()
     with pytest.raises(RuntimeError) as info:
@@ -182,7 +182,7 @@ def test_ignored_step_overrides_are_the_users_own():
     import lightning as L
 
     from lightning_pp.models import GPT
-    from lightning_pp.plan import ignored_step_overrides, ignored_steps_message
+    from lightning_pp.strategy.module_rules import ignored_step_overrides, ignored_steps_message
 
     assert ignored_step_overrides(_gpt()) == []  # PipelineMixin's defaults
 
@@ -208,7 +208,7 @@ def test_ignored_step_overrides_are_the_users_own():
 
 
 def test_rebuilt_layers_match_only_the_same_model():
-    from lightning_pp.model import rebuilt_layers_match, replace_submodule
+    from lightning_pp.strategy.model import rebuilt_layers_match, replace_submodule
 
     a, b, c = _gpt(), _gpt(), _gpt()
     a.configure_model()
@@ -230,7 +230,7 @@ def test_rebuilt_layers_match_only_the_same_model():
 def test_merged_summary_counts_tied_copies_once():
     from lightning.pytorch.utilities.model_summary import get_human_readable_count
 
-    from lightning_pp.model_summary import StageSummary, merge_summaries
+    from lightning_pp.strategy.model_summary import StageSummary, merge_summaries
 
     def stage(label, params, tied):
         return StageSummary(
@@ -250,7 +250,7 @@ def test_merged_summary_counts_tied_copies_once():
 def test_pipeline_summary_keeps_the_callback_class_and_restores_it():
     from lightning.pytorch.callbacks import ModelSummary
 
-    from lightning_pp.model_summary import (
+    from lightning_pp.strategy.model_summary import (
         PipelineSummary,
         StageInfo,
         restore_summaries,

@@ -8,10 +8,10 @@ import torch
 from torch import nn
 
 import lightning_pp
-from lightning_pp.grad_sync import DeferredGradSync, global_grad_norm
-from lightning_pp.model import PipelineLayers, select_layers
 from lightning_pp.models import GPT
-from lightning_pp.strategy import PipelineStrategy
+from lightning_pp.runtime.grad_sync import DeferredGradSync, global_grad_norm
+from lightning_pp.strategy.model import PipelineLayers, select_layers
+from lightning_pp.strategy.pipeline_strategy import PipelineStrategy
 
 KW = dict(vocab_size=16, n_layer=3, n_head=2, n_embd=8, block_size=4, seed=3)
 

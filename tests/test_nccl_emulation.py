@@ -1,4 +1,5 @@
-"""The equivalence grid under NCCL's rules, emulated on gloo (``lightning_pp.nccl_emulation``).
+"""The equivalence grid under NCCL's rules, emulated on gloo
+(``lightning_pp.runtime.nccl_emulation``).
 
 One spawned world of 4 ranks runs every case with ``LIGHTNING_PP_EMULATE_NCCL=1``: matching by
 posting order (one tag), one coalesced work per batch, one stream per rank, NCCL's engine
@@ -34,13 +35,14 @@ from engine_models import (
     tuple_layers,
 )
 
-from lightning_pp.engine import PipelineEngine
-from lightning_pp.failure import FailureMonitor
-from lightning_pp.nccl_emulation import ENV_VAR
-from lightning_pp.p2p import ACT, GRAD, Message, P2PCommunicator, RecvRequest
-from lightning_pp.partition import PipelineChunk, partition_layers
+from lightning_pp.layout.partition import PipelineChunk, partition_layers
+from lightning_pp.layout.topology import PipelineTopology, ProcessGroups
+from lightning_pp.runtime.engine import PipelineEngine
+from lightning_pp.runtime.failure import FailureMonitor
+from lightning_pp.runtime.nccl_emulation import ENV_VAR
+from lightning_pp.runtime.p2p import P2PCommunicator
+from lightning_pp.runtime.p2p_wire import ACT, GRAD, Message, RecvRequest
 from lightning_pp.schedules import Action, Op, Schedule, build_schedule
-from lightning_pp.topology import PipelineTopology, ProcessGroups
 
 WORLD = 4
 STEPS = 3

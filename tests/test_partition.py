@@ -4,7 +4,12 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_pp.partition import PipelineChunk, local_layer_indices, partition_layers, stage_of
+from lightning_pp.layout.partition import (
+    PipelineChunk,
+    local_layer_indices,
+    partition_layers,
+    stage_of,
+)
 
 
 def sizes(ranges):

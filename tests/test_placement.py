@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
-from lightning_pp.partition import partition_layers
-from lightning_pp.placement import LayerPlacement
+from lightning_pp.layout.partition import partition_layers
+from lightning_pp.layout.placement import LayerPlacement
 from lightning_pp.schedules import build_schedule
 
 

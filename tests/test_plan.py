@@ -13,19 +13,19 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_pp.model import PipelineLayers, PipelineMixin
-from lightning_pp.plan import (
-    PipelinePlan,
+from lightning_pp.layout.plan import PipelinePlan
+from lightning_pp.layout.rules import (
     PipelineWarning,
     PreflightError,
     bubble_warning,
     check_batch,
     check_layers,
-    check_module,
     check_schedule_args,
     check_world,
 )
 from lightning_pp.schedules import build_schedule, validate
+from lightning_pp.strategy.model import PipelineLayers, PipelineMixin
+from lightning_pp.strategy.module_rules import check_module
 
 
 def _no_pipeline_warning(fn, *args, **kwargs):
@@ -440,8 +440,8 @@ def test_engine_rejects_nothing_the_plan_accepts_on_one_process():
     # a sanity link between the plan and the engine: an accepted pp=1 plan runs
     from engine_models import make_chunks, mlp_batch, mlp_layers, mse_loss
 
-    from lightning_pp.engine import PipelineEngine
-    from lightning_pp.topology import PipelineTopology
+    from lightning_pp.layout.topology import PipelineTopology
+    from lightning_pp.runtime.engine import PipelineEngine
 
     plan = _no_pipeline_warning(
         PipelinePlan.build,

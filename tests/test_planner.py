@@ -22,9 +22,9 @@ from engine_models import mse_loss, tuple_batch, tuple_input_fn
 from test_recompute import local_chunks, model_layers
 from torch import nn
 
-from lightning_pp.config import load_config
-from lightning_pp.engine import PipelineEngine
-from lightning_pp.partition import partition_layers
+from lightning_pp.commands.config import load_config
+from lightning_pp.layout.partition import partition_layers
+from lightning_pp.layout.topology import PipelineTopology, build_process_groups
 from lightning_pp.planner import (
     LayerCost,
     ModelProfile,
@@ -38,8 +38,8 @@ from lightning_pp.planner.fastsim import CompiledSchedule
 from lightning_pp.planner.memory import peak_activation_bytes, rank_memory
 from lightning_pp.planner.profiler import profile_layers
 from lightning_pp.planner.search import make_candidate
+from lightning_pp.runtime.engine import PipelineEngine
 from lightning_pp.schedules import Costs, build_schedule, simulate
-from lightning_pp.topology import PipelineTopology, build_process_groups
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -411,7 +411,7 @@ def test_memory_model_matches_the_engine_meter(meter):
 
 
 def test_cli_search_with_a_fixed_profile_writes_a_loadable_config(tmp_path, capsys):
-    from lightning_pp.cli import main
+    from lightning_pp.commands.cli import main
 
     prof = _profile([_layer(2e-3)] + [_layer(1e-3)] * 4 + [_layer(2e-3)], size=8)
     path = tmp_path / "prof.json"

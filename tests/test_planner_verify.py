@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_pp.plan import PreflightError
+from lightning_pp.layout.rules import PreflightError
 from lightning_pp.planner import LayerCost, ModelProfile, predict, search
 from lightning_pp.planner.search import make_candidate, oversubscribed_seconds, step_costs
 from lightning_pp.planner.verify import (
@@ -32,7 +32,7 @@ from lightning_pp.planner.verify import (
     measure,
     pct_error,
 )
-from lightning_pp.records import StepEvent, StepRecord
+from lightning_pp.runtime.records import StepEvent, StepRecord
 from lightning_pp.schedules import Op, build_schedule
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -298,7 +298,7 @@ def _tiny_args(tmp_path: Path) -> list[str]:
 
 @pytest.mark.timeout(180)
 def test_cli_verify_one_candidate_on_two_processes(tmp_path, capsys):
-    from lightning_pp.cli import main
+    from lightning_pp.commands.cli import main
 
     args = [*_tiny_args(tmp_path), "--verify", "1", "--verify-steps", "1", "--verify-warmup", "1"]
     args += ["--verify-timeout", "120", "--calibrate"]

@@ -19,12 +19,12 @@ from distributed import run_distributed
 from engine_models import VOCAB, Embed, Head, mse_loss, rel_err, tuple_batch, tuple_input_fn
 from torch import nn
 
-from lightning_pp.engine import PipelineEngine
-from lightning_pp.partition import PipelineChunk, partition_layers
-from lightning_pp.recompute import Selective, parse_bytes, parse_recompute
-from lightning_pp.recompute_plan import plan_auto
+from lightning_pp.layout.partition import PipelineChunk, partition_layers
+from lightning_pp.layout.recompute_spec import Selective, parse_bytes, parse_recompute
+from lightning_pp.layout.topology import PipelineTopology, build_process_groups
+from lightning_pp.planner.recompute import plan_auto
+from lightning_pp.runtime.engine import PipelineEngine
 from lightning_pp.schedules import build_schedule
-from lightning_pp.topology import PipelineTopology, build_process_groups
 
 WORLD = 4
 DIM = 8
@@ -267,8 +267,8 @@ def test_recompute_once_serves_input_and_weight_backward():
     """A split backward (I, then W) over a recomputed region: one recompute, W really computes
     the weight gradients (not a fused I), and every gradient equals the plain run bitwise, with
     dropout."""
-    from lightning_pp.recompute import RecomputeOnce
-    from lightning_pp.split_backward import backward_input
+    from lightning_pp.runtime.recompute import RecomputeOnce
+    from lightning_pp.runtime.split_backward import backward_input
 
     torch.manual_seed(0)
     lin1, lin2, drop = nn.Linear(4, 4), nn.Linear(4, 4), nn.Dropout(0.3)
@@ -304,8 +304,8 @@ def test_recompute_once_serves_input_and_weight_backward():
 def test_recompute_again_for_weight_backward():
     """``again``: the frame drops I's recompute (holding only its inputs until W) and W
     recomputes a second time; the gradients stay bitwise equal."""
-    from lightning_pp.recompute import RecomputeOnce
-    from lightning_pp.split_backward import backward_input
+    from lightning_pp.runtime.recompute import RecomputeOnce
+    from lightning_pp.runtime.split_backward import backward_input
 
     torch.manual_seed(1)
     lin, drop = nn.Linear(4, 4), nn.Dropout(0.5)

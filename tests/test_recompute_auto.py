@@ -15,17 +15,17 @@ from distributed import run_distributed
 from engine_models import mse_loss, rel_err, tuple_batch, tuple_input_fn
 from test_recompute import local_chunks, model_layers
 
-from lightning_pp.engine import PipelineEngine
-from lightning_pp.recompute_plan import (
-    LayerProbe,
+from lightning_pp.layout.topology import PipelineTopology, build_process_groups
+from lightning_pp.planner.recompute import (
     RecomputeBudgetError,
     chunk_bytes,
     inflight_profile,
     plan_auto,
     plan_rank,
 )
+from lightning_pp.runtime.engine import PipelineEngine
+from lightning_pp.runtime.recompute_probe import LayerProbe
 from lightning_pp.schedules import build_schedule
-from lightning_pp.topology import PipelineTopology, build_process_groups
 
 WORLD = PP = 4
 M = 8

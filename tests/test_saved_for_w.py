@@ -11,11 +11,11 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from lightning_pp.partition import PipelineChunk
-from lightning_pp.recompute import RecomputeOnce
-from lightning_pp.recompute_plan import measure_chunk
-from lightning_pp.saved_for_w import SavedForW
-from lightning_pp.split_backward import backward_input, fused_backward, weight_nodes
+from lightning_pp.layout.partition import PipelineChunk
+from lightning_pp.runtime.recompute import RecomputeOnce
+from lightning_pp.runtime.recompute_probe import measure_chunk
+from lightning_pp.runtime.saved_for_w import SavedForW
+from lightning_pp.runtime.split_backward import backward_input, fused_backward, weight_nodes
 
 
 class MLP(nn.Module):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_pp.cli import main
+from lightning_pp.commands.cli import main
 from lightning_pp.schedules import build_schedule
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_pp.models.virtual_device import SleepLayer
-from lightning_pp.split_backward import backward_input, fused_backward
+from lightning_pp.runtime.split_backward import backward_input, fused_backward
 
 
 class Block(nn.Module):

@@ -13,8 +13,8 @@ import torch
 from test_split_backward import Block
 from torch import nn
 
-from lightning_pp import split_backward as sb
-from lightning_pp.split_backward import backward_input, fused_backward
+from lightning_pp.runtime import split_backward as sb
+from lightning_pp.runtime.split_backward import backward_input, fused_backward
 
 
 class Branchy(nn.Module):

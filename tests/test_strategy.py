@@ -221,8 +221,8 @@ def test_two_nodes_on_loopback_match_single_node(tmp_path, four_proc, references
 def test_world_check_is_preflight_with_divisors():
     import lightning as L
 
-    from lightning_pp.plan import PreflightError
-    from lightning_pp.strategy import PipelineStrategy
+    from lightning_pp.layout.rules import PreflightError
+    from lightning_pp.strategy.pipeline_strategy import PipelineStrategy
 
     with pytest.raises(PreflightError) as err:
         L.Trainer(accelerator="cpu", devices=3, strategy=PipelineStrategy(pp=2), logger=False)
@@ -236,17 +236,18 @@ def test_world_check_is_preflight_with_divisors():
 def test_layer_split_check_is_preflight_and_shows_the_split():
     from types import SimpleNamespace
 
-    from lightning_pp.plan import PreflightError
-    from lightning_pp.strategy import PipelineStrategy
-    from lightning_pp.topology import PipelineTopology
+    from lightning_pp.layout.rules import PreflightError
+    from lightning_pp.layout.topology import PipelineTopology
+    from lightning_pp.strategy.pipeline_strategy import PipelineStrategy
 
     strategy = PipelineStrategy(pp=2, vpp=2, microbatches=4)
-    strategy.topology = PipelineTopology.from_world(2, 0, pp=2)  # as after setup_environment
+    layout = strategy.layout
+    layout.topology = PipelineTopology.from_world(2, 0, pp=2)  # as after setup_environment
     with pytest.raises(PreflightError) as err:
-        strategy.stage_build.select(strategy, SimpleNamespace(num_layers=3))
+        strategy.stage_build.select(layout, None, SimpleNamespace(num_layers=3))
     msg = str(err.value)
     assert "num_layers=3" in msg and "pp(2) * vpp(2) = 4" in msg and "s3=" in msg
-    assert strategy.stage_build.select(strategy, SimpleNamespace(num_layers=4)) == [0, 2]
+    assert strategy.stage_build.select(layout, None, SimpleNamespace(num_layers=4)) == [0, 2]
 
 
 SMALL_BATCH_SCRIPT = """

@@ -31,8 +31,8 @@ from jobs import free_port, run_job  # noqa: E402
 from split_common import CausalLM, run_reference  # noqa: E402
 
 from lightning_pp.autosplit import meta_build  # noqa: E402
-from lightning_pp.checkpoint import consolidate_checkpoint  # noqa: E402
-from lightning_pp.cli import main as cli_main  # noqa: E402
+from lightning_pp.checkpoint.sharded import consolidate_checkpoint  # noqa: E402
+from lightning_pp.commands.cli import main as cli_main  # noqa: E402
 
 REL_TOL = 1e-5
 # One torchrun job (5 configurations, 4 processes) plus 4 plain references: about 2 minutes on

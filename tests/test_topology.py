@@ -2,7 +2,7 @@
 
 import pytest
 
-from lightning_pp.topology import PipelineTopology
+from lightning_pp.layout.topology import PipelineTopology
 
 
 def test_pp_outermost_layout():

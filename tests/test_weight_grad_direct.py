@@ -1,4 +1,5 @@
-"""W without the autograd engine (lightning_pp.weight_grad_direct): the same gradients, bit for
+"""W without the autograd engine (lightning_pp.runtime.weight_grad_direct): the same gradients, bit
+for
 bit, as the engine's W; the graph freed at I where every W layer is a Linear or a norm; the
 engine's way kept for everything the direct path cannot vouch for."""
 
@@ -10,8 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-import lightning_pp.split_backward as sb
-from lightning_pp.split_backward import backward_input, fused_backward
+import lightning_pp.runtime.split_backward as sb
+from lightning_pp.runtime.split_backward import backward_input, fused_backward
 
 
 class Block(nn.Module):

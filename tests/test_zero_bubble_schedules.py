@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_pp.cli import main
+from lightning_pp.commands.cli import main
 from lightning_pp.schedules import (
     OP_STYLE,
     Action,
@@ -400,7 +400,7 @@ def test_cli_rejects_zbv_with_other_vpp(capsys):
 
 def test_cli_module_entry_point_runs_zero_bubble_text_grid():
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    cmd = [sys.executable, "-m", "lightning_pp.cli", "schedule", "--schedule", "zbv", "--pp", "2"]
+    cmd = [sys.executable, "-m", "lightning_pp", "schedule", "--schedule", "zbv", "--pp", "2"]
     proc = subprocess.run(
         [*cmd, "--microbatches", "4"], capture_output=True, text=True, env=env, timeout=120
     )

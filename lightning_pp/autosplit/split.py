@@ -41,7 +41,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from ..partition import partition_layers
+from ..layout.partition import partition_layers
 from .materialize import ShapeBuild, meta_build, replay_build
 from .phantom import Phantom, PhantomValueError, origins_of
 

@@ -9,7 +9,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from .._lightning_compat import logging_step
-from ..records import StepRecord
+from ..runtime.records import StepRecord
 from .gather import GatheredStep, gather_cached
 
 

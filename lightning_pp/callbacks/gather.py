@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..records import StepEvent, StepRecord
+from ..runtime.records import StepEvent, StepRecord
 from ..schedules import Action, Op, Schedule
 
 __all__ = [

@@ -9,7 +9,7 @@ import lightning.pytorch as pl
 import torch
 from typing_extensions import override
 
-from ..recompute_plan import format_bytes
+from ..layout.recompute_spec import format_bytes
 from .analysis import MemoryStats, RecomputeStats, memory_stats, recompute_labels
 from .base import PipelineCallback, is_global_zero
 from .gather import register_extra, unregister_extra
@@ -59,7 +59,7 @@ class ActivationMemoryMonitor(PipelineCallback):
     ``pp/rank{r}/recompute_layers`` (how many layers, or modules inside layers for a selective
     spec, it recomputes) and, under ``recompute="auto"``, ``pp/rank{r}/saved_bytes_predicted``
     (the plan's predicted peak of saved bytes for the rank,
-    :attr:`~lightning_pp.recompute_plan.RankPlan.predicted_peak`) and
+    :attr:`~lightning_pp.planner.recompute.RankPlan.predicted_peak`) and
     ``pp/rank{r}/saved_bytes_ratio`` (measured ``saved_bytes`` / predicted). Which layers each
     rank recomputes is logged once per fit on global rank 0 (logger ``lightning_pp``, INFO).
 

@@ -12,7 +12,7 @@ Both displays show ``tok/s`` (tokens, i.e. elements of the batch's first integer
 when it has none, per second over the whole data-parallel world, over the last logging interval
 of training batches) and ``pipeline bubble X% (simulated Y%)``: idle / compute summed over every
 pipeline rank over the steps since the last measurement, next to the simulator's expectation
-for the same steps, as logged by :class:`~lightning_pp.summary.RunSummary`.
+for the same steps, as logged by :class:`~lightning_pp.callbacks.summary.RunSummary`.
 
 Example:
     >>> import lightning as L
@@ -30,6 +30,14 @@ import torch
 from lightning.pytorch.callbacks import Callback, ProgressBar, TQDMProgressBar
 from typing_extensions import override
 
+from .run_facts import (
+    BUBBLE_EXPECTED_KEY,
+    BUBBLE_KEY,
+    BUBBLE_STEPS_KEY,
+    batch_tokens,
+    data_parallel_size,
+)
+
 __all__ = [
     "FinalValidation",
     "LossFile",
@@ -41,41 +49,6 @@ __all__ = [
     "pipeline_bubble",
     "progress_items",
 ]
-
-
-def batch_tokens(batch: Any) -> int:
-    """Tokens in one batch: elements of its first integer tensor, else its first dimension."""
-    tensors: list[torch.Tensor] = []
-
-    def collect(obj: Any) -> None:
-        if isinstance(obj, torch.Tensor):
-            tensors.append(obj)
-        elif isinstance(obj, (list, tuple)):
-            for o in obj:
-                collect(o)
-        elif isinstance(obj, dict):
-            for o in obj.values():
-                collect(o)
-
-    collect(batch)
-    for t in tensors:
-        if not t.is_floating_point():
-            return t.numel()
-    return int(tensors[0].shape[0]) if tensors and tensors[0].dim() else 0
-
-
-def data_parallel_size(trainer: pl.Trainer) -> int:
-    """Data-parallel replicas of the run (tokens per step = batch tokens x this)."""
-    strategy = trainer.strategy
-    for name in ("dp_size", "data_parallel_size", "dp"):
-        value = getattr(strategy, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    topo = getattr(strategy, "topology", None)
-    if topo is not None and isinstance(getattr(topo, "dp", None), int):
-        return topo.dp
-    kwargs = getattr(strategy, "distributed_sampler_kwargs", None) or {}
-    return int(kwargs.get("num_replicas", trainer.world_size) or 1)
 
 
 class Throughput:
@@ -123,12 +96,11 @@ class Throughput:
 def pipeline_bubble(trainer: pl.Trainer) -> tuple[float, float] | None:
     """(measured, simulated) pipeline bubble of the last measurement window, or ``None``.
 
-    Logged by :class:`~lightning_pp.summary.RunSummary`: idle / compute over every pipeline rank
+    Logged by :class:`~lightning_pp.callbacks.summary.RunSummary`: idle / compute over every
+    pipeline rank
     and every step since the previous measurement, and the simulator's expectation for the same
     steps.
     """
-    from .summary import BUBBLE_EXPECTED_KEY, BUBBLE_KEY
-
     metrics = trainer.callback_metrics
     if BUBBLE_KEY not in metrics or BUBBLE_EXPECTED_KEY not in metrics:
         return None
@@ -151,8 +123,6 @@ def progress_items(
     bubble = pipeline_bubble(trainer)
     if bubble is not None:
         # The label says what the number is: not one rank's idle share, not one step.
-        from .summary import BUBBLE_STEPS_KEY
-
         steps = trainer.callback_metrics.get(BUBBLE_STEPS_KEY)
         over = f", last {int(steps)} steps" if steps is not None else ""
         items["pipeline bubble"] = (
@@ -184,7 +154,8 @@ class PipelineProgressBar(TQDMProgressBar):
 
     The bubble shown is the *pipeline's*: idle / compute summed over every pipeline rank over
     the steps since the last measurement, next to the simulator's expectation for those steps
-    (:func:`pipeline_bubble`; shown once :class:`~lightning_pp.summary.RunSummary` measured).
+    (:func:`pipeline_bubble`; shown once :class:`~lightning_pp.callbacks.summary.RunSummary`
+    measured).
 
     Example:
         >>> bar = PipelineProgressBar(refresh_rate=5, print_every=25)

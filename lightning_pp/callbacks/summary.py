@@ -20,7 +20,7 @@ and :class:`~lightning_pp.callbacks.PipelineTimeline` when they are among the tr
 Example::
 
     from lightning_pp.callbacks import ActivationMemoryMonitor, PipelineTimeline
-    from lightning_pp.summary import RunSummary
+    from lightning_pp.callbacks.summary import RunSummary
 
     trainer = L.Trainer(devices=4, strategy=PipelineStrategy(pp=2, microbatches=4),
                         callbacks=[ActivationMemoryMonitor(), PipelineTimeline(every_n_steps=300),
@@ -42,11 +42,18 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from .callbacks.analysis import BubbleStats, bubble_stats, split_pipelines
-from .callbacks.base import PipelineCallback
-from .callbacks.gather import register_extra, unregister_extra
-from .records import StepRecord
-from .schedules import render_grid, simulate
+from ..runtime.records import StepRecord
+from ..schedules import render_grid, simulate
+from .analysis import BubbleStats, bubble_stats, split_pipelines
+from .base import PipelineCallback
+from .gather import register_extra, unregister_extra
+from .run_facts import (
+    BUBBLE_EXPECTED_KEY,
+    BUBBLE_KEY,
+    BUBBLE_STEPS_KEY,
+    batch_tokens,
+    data_parallel_size,
+)
 
 __all__ = [
     "BUBBLE_EXPECTED_KEY",
@@ -59,11 +66,6 @@ __all__ = [
     "write_loss_curve",
 ]
 
-#: Logged at every measurement: the pipeline bubble over the window of steps since the last one,
-#: and the simulator's expectation for the same steps (see :func:`window_bubble`).
-BUBBLE_KEY = "pp/bubble_window"
-BUBBLE_EXPECTED_KEY = "pp/bubble_window_expected"
-BUBBLE_STEPS_KEY = "pp/bubble_window_steps"
 
 _EXTRA = "run_summary_window"
 
@@ -136,7 +138,7 @@ def window_bubble(
     ``expected`` compares with ``bubble`` step for step.
 
     Example:
-        >>> from lightning_pp.records import StepEvent
+        >>> from lightning_pp.runtime.records import StepEvent
         >>> from lightning_pp.schedules import build_schedule
         >>> s = build_schedule("1f1b", pp=2, microbatches=4)
         >>> sim = simulate(s)                     # a perfect "measurement" at t_f=1, t_b=2
@@ -202,7 +204,7 @@ class RunSummary(PipelineCallback):
     Logged at each measurement (every rank holds the same value): ``pp/bubble_window`` (idle /
     compute over every pipeline rank and every step of the window, the simulator's definition)
     and ``pp/bubble_window_expected`` (the simulator fed each step's measured costs and
-    latencies). The progress bars of :mod:`lightning_pp.progress` show both.
+    latencies). The progress bars of :mod:`lightning_pp.callbacks.progress` show both.
 
     Example:
         >>> cb = RunSummary(every_n_steps=10)
@@ -277,8 +279,6 @@ class RunSummary(PipelineCallback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        from .progress import batch_tokens, data_parallel_size
-
         self._batch_tokens = batch_tokens(batch) * data_parallel_size(trainer)
         if self._t_last is None:
             self._t_last = time.perf_counter()
@@ -368,7 +368,7 @@ class RunSummary(PipelineCallback):
 
     # -- the summary ------------------------------------------------------------------------
     def _memory(self, trainer: pl.Trainer) -> list[dict[str, Any]]:
-        from .callbacks import ActivationMemoryMonitor
+        from . import ActivationMemoryMonitor
 
         for cb in trainer.callbacks:
             if isinstance(cb, ActivationMemoryMonitor) and cb.last_stats:
@@ -376,7 +376,7 @@ class RunSummary(PipelineCallback):
         return []
 
     def _timeline(self, trainer: pl.Trainer) -> dict[str, str]:
-        from .callbacks import PipelineTimeline
+        from . import PipelineTimeline
 
         out: dict[str, str] = {}
         for cb in trainer.callbacks:

@@ -17,7 +17,7 @@ from typing import Any
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from typing_extensions import override
 
-from .checkpoint import consolidate_checkpoint, module_from_checkpoint
+from .sharded import consolidate_checkpoint, module_from_checkpoint
 
 __all__ = ["PipelineCheckpointIO"]
 

@@ -9,7 +9,8 @@ A checkpoint is a **directory** (ModelCheckpoint's ``epoch=0-step=5.ckpt`` becom
       index.json                             layout + which file holds which name; written last
 
 Names are the LightningModule's own ``state_dict`` keys (``layers.3.qkv.weight``), which do not
-depend on the pipeline shape (:class:`~lightning_pp.model.PipelineLayers` keys layers by their
+depend on the pipeline shape (:class:`~lightning_pp.strategy.model.PipelineLayers` keys layers by
+their
 original index). So a rank of *any* later shape finds its parameters, and the optimizer state for
 them, by name alone. Tied groups are stored once, under the group's first (canonical) name; data-
 parallel replicas are identical, so only ``dp_rank == 0`` of each stage writes.
@@ -37,19 +38,14 @@ import secrets
 import shutil
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from ._lightning_compat import configure_optimizers_and_schedulers, load_file
-
-if TYPE_CHECKING:
-    from .strategy import PipelineStrategy
+from .._lightning_compat import configure_optimizers_and_schedulers, load_file
 
 __all__ = [
     "CheckpointError",
@@ -64,15 +60,12 @@ __all__ = [
     "load_model_shard",
     "load_optimizer_shard",
     "load_pipeline_checkpoint",
-    "load_strategy_checkpoint",
     "optimizer_state_by_name",
     "module_optimizer_state",
     "read_index",
     "remove_checkpoint_dir",
     "save_pipeline_checkpoint",
     "save_sharded_checkpoint",
-    "save_strategy_checkpoint",
-    "strategy_optimizer_state",
     "tied_canonical_names",
 ]
 
@@ -772,11 +765,9 @@ def _shape(index: Mapping[str, Any]) -> str:
     return ", ".join(f"{k}={lay[k]}" for k in ("pp", "vpp", "dp") if k in lay) or "unknown shape"
 
 
-# ---------------------------------------------------------------------------------- strategy hooks
-# The bodies of PipelineStrategy.save_checkpoint / load_checkpoint / optimizer_state: the strategy
-# keeps only the Lightning hook overrides. The *_pipeline_checkpoint functions take plain values
-# (this rank's place, the run's layout); the *strategy* ones below them read those off the
-# strategy.
+# ---------------------------------------------------------------------------------- one rank
+# What PipelineStrategy.save_checkpoint / load_checkpoint / optimizer_state call: plain values in
+# (this rank's place, the run's layout), nothing of the strategy.
 def save_pipeline_checkpoint(
     checkpoint: dict[str, Any],
     path: str | os.PathLike,
@@ -868,70 +859,10 @@ def module_optimizer_state(
 
 def _canonical(module: Any, canonical: Mapping[str, str] | None) -> Mapping[str, str]:
     """Tied member -> stored name: as given (a split model's ties), else from the module's
-    :class:`~lightning_pp.model.PipelineLayers`."""
+    :class:`~lightning_pp.strategy.model.PipelineLayers`."""
     if canonical is not None:
         return canonical
     return tied_canonical_names(module, module.pipeline_layers())
-
-
-def save_strategy_checkpoint(
-    strategy: PipelineStrategy,
-    checkpoint: dict[str, Any],
-    filepath: Any,
-    storage_options: Any | None = None,
-) -> None:
-    """Collective: write the strategy's rank's shard into the checkpoint directory ``filepath``
-    (rank 0's path, so every rank writes into the same directory)."""
-    if storage_options is not None:
-        raise TypeError(
-            "PipelineStrategy.save_checkpoint(..., storage_options=...) is not supported: "
-            "the strategy writes a sharded checkpoint directory itself, not via CheckpointIO"
-        )
-    topo, placement = strategy.topology, strategy.placement
-    assert topo is not None and placement is not None
-    save_pipeline_checkpoint(
-        checkpoint,
-        strategy.broadcast(str(filepath)),
-        module=strategy.lightning_module,
-        pp_rank=topo.pp_rank,
-        dp_rank=topo.dp_rank,
-        layout={**placement.layout(), "dp": topo.dp, "world_size": strategy.world_size},
-        barrier=strategy.barrier,
-        canonical=_strategy_canonical(strategy),
-    )
-
-
-def load_strategy_checkpoint(
-    strategy: PipelineStrategy, checkpoint_path: Any, weights_only: bool | None = None
-) -> dict[str, Any]:
-    """Collective: load the strategy's rank's layers, and when fitting its optimizer state, by
-    name (any pipeline shape may have written the checkpoint); return Lightning's metadata."""
-    trainer = strategy.lightning_module.trainer
-    fitting = trainer.state.fn == TrainerFn.FITTING
-    return load_pipeline_checkpoint(
-        strategy.broadcast(str(checkpoint_path)),
-        strategy.lightning_module,
-        rank=strategy.global_rank,
-        optimizers=list(strategy.optimizers) if fitting else None,
-        scheduler_configs=trainer.lr_scheduler_configs,
-        weights_only=weights_only,
-        canonical=_strategy_canonical(strategy),
-    )
-
-
-def strategy_optimizer_state(strategy: PipelineStrategy, optimizer: Optimizer) -> dict[str, Any]:
-    """The strategy's rank's optimizer state keyed by parameter name (stages' indices would
-    collide)."""
-    if isinstance(optimizer, LightningOptimizer):
-        optimizer = optimizer.optimizer
-    canonical = _strategy_canonical(strategy)
-    return module_optimizer_state(optimizer, strategy.lightning_module, canonical)
-
-
-def _strategy_canonical(strategy: PipelineStrategy) -> Mapping[str, str] | None:
-    """Tied member -> stored name, for the ``split=`` path (``None``: from the layers)."""
-    split = strategy.split_pipeline
-    return split.canonical_names() if split is not None else None
 
 
 def remove_checkpoint_dir(path: str | os.PathLike) -> None:

@@ -1,1 +1,1 @@
-"""Subcommands of the ``lightning-pp`` CLI, one module each (see ``lightning_pp.cli``)."""
+"""Subcommands of the ``lightning-pp`` CLI, one module each (see ``lightning_pp.commands.cli``)."""

@@ -4,11 +4,12 @@ a run before any process starts.
 :func:`check_run` is the one pre-launch check. It reads the world from the launcher or the
 trainer section, applies the few rules about the trainer and data sections that would otherwise
 surface as a traceback on every rank, and hands the pipeline shape to
-:class:`~lightning_pp.plan.PipelinePlan`, which owns every pipeline rule; its errors come back
+:class:`~lightning_pp.layout.plan.PipelinePlan`, which owns every pipeline rule; its errors come
+back
 naming the config key, where that value came from, and the fix.
 
 Example:
-    >>> from lightning_pp.config import load_config
+    >>> from lightning_pp.commands.config import load_config
     >>> run = check_run(load_config("configs/demo_cpu.yaml"), None)  # doctest: +SKIP
     >>> (run.world, run.plan.pp, run.plan.dp)  # doctest: +SKIP
     (4, 2, 2)
@@ -23,7 +24,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_pp.config import (
+from lightning_pp.commands.config import (
     ConfigError,
     RunConfig,
     import_class,
@@ -31,8 +32,9 @@ from lightning_pp.config import (
     is_class_spec,
     pipeline_strategy_class,
 )
-from lightning_pp.launch import LaunchEnvironment
-from lightning_pp.plan import PipelinePlan, PreflightError, check_settings
+from lightning_pp.commands.launch import LaunchEnvironment
+from lightning_pp.layout.plan import PipelinePlan
+from lightning_pp.layout.rules import PreflightError, check_settings
 
 __all__ = [
     "MetaModelInfo",
@@ -402,7 +404,7 @@ def check_run(
     if cut and not has_layers and not split:
         raise ConfigError(
             f"model {target} ({cfg.section_origin('model')}) has no pipeline_layers() "
-            f"(see lightning_pp.model.PipelineMixin), so it cannot be cut into "
+            f"(see lightning_pp.strategy.model.PipelineMixin), so it cannot be cut into "
             f"pp({pp}) x vpp({vpp}) chunks; set strategy.pp=1 and strategy.vpp=1, or use a "
             f"non-pipeline strategy such as 'strategy: ddp'"
         )

@@ -293,7 +293,7 @@ def _check_trainer(trainer: Any, errors: _Errors) -> None:
 def pipeline_strategy_class() -> type | None:
     """``lightning_pp.strategy.PipelineStrategy`` if it is importable, else ``None``."""
     try:
-        from lightning_pp.strategy import PipelineStrategy
+        from lightning_pp.strategy.pipeline_strategy import PipelineStrategy
     except ImportError:
         return None
     return PipelineStrategy
@@ -314,7 +314,7 @@ def _check_strategy(strategy: Any, errors: _Errors) -> None:
         return
     _check_kwargs(cls, strategy, "strategy", "not an argument of PipelineStrategy", errors)
     if "recompute" in strategy or "activation_budget" in strategy:
-        from .plan import check_recompute
+        from ..layout.recompute_spec import check_recompute
 
         try:
             check_recompute(strategy.get("recompute"), strategy.get("activation_budget"))

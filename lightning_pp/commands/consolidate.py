@@ -75,13 +75,13 @@ def _fail(message: str) -> int:
 
 def build_module(checkpoint_dir: str, class_path: str | None = None, trust: bool = False) -> Any:
     """Instantiate the unpipelined LightningModule from the checkpoint's class and hparams."""
-    from lightning_pp.checkpoint import module_from_checkpoint
+    from lightning_pp.checkpoint.sharded import module_from_checkpoint
 
     return module_from_checkpoint(checkpoint_dir, class_path, weights_only=not trust)
 
 
 def run(args: argparse.Namespace) -> int:
-    from lightning_pp.checkpoint import CheckpointError, consolidate_checkpoint, read_index
+    from lightning_pp.checkpoint.sharded import CheckpointError, consolidate_checkpoint, read_index
 
     try:
         index = read_index(args.checkpoint)

@@ -6,10 +6,10 @@ Example::
     lightning-pp fit configs/demo_cpu.yaml strategy.pp=4 trainer.max_steps=50
     lightning-pp fit configs/gpt_1b_pp4_vpp2.yaml --dry-run      # same as `lightning-pp plan`
     torchrun --nnodes 2 --node_rank 0 --nproc_per_node 2 --master_addr HOST --master_port 29500 \\
-        -m lightning_pp.cli fit configs/demo_cpu.yaml
+        -m lightning_pp fit configs/demo_cpu.yaml
 
 A mistake in the config (unknown key, wrong type, impossible pipeline shape: the rules of
-:class:`~lightning_pp.plan.PipelinePlan`) prints one message naming the key, the file and the
+:class:`~lightning_pp.layout.plan.PipelinePlan`) prints one message naming the key, the file and the
 fix, and exits with code 2 before any process is started.
 """
 
@@ -28,7 +28,7 @@ from lightning_pp.commands._common import (
     say,
     split_options,
 )
-from lightning_pp.config import (
+from lightning_pp.commands.config import (
     ConfigError,
     RunConfig,
     SampleConfig,
@@ -37,7 +37,7 @@ from lightning_pp.config import (
     load_config,
     pipeline_strategy_class,
 )
-from lightning_pp.launch import LaunchEnvironment, detect_launch_environment
+from lightning_pp.commands.launch import LaunchEnvironment, detect_launch_environment
 
 __all__ = ["build_trainer", "register", "run", "train"]
 
@@ -135,13 +135,14 @@ def _measure_every(kwargs: dict[str, Any]) -> tuple[int, int]:
 
 def _summary_callbacks(callbacks: list[Any], kwargs: dict[str, Any], pipelined: bool) -> list[Any]:
     """What the end-of-run summary reads: the pipeline monitors (unless configured already, in
-    which case the summary reads those) and the :class:`~lightning_pp.summary.RunSummary`."""
+    which case the summary reads those) and the
+    :class:`~lightning_pp.callbacks.summary.RunSummary`."""
     from lightning_pp.callbacks import (
         ActivationMemoryMonitor,
         PipelineBubbleMonitor,
         PipelineTimeline,
     )
-    from lightning_pp.summary import RunSummary
+    from lightning_pp.callbacks.summary import RunSummary
 
     every, timeline_every = _measure_every(kwargs)
     added: list[Any] = []
@@ -167,8 +168,9 @@ def build_trainer(
     """An ``L.Trainer`` from the trainer/strategy/callbacks/logger sections.
 
     Added unless configured: a progress display (a TQDM bar on a terminal, plain lines, at most
-    one per logging interval, otherwise), :class:`~lightning_pp.progress.FinalValidation`, and
-    with ``summary`` the :class:`~lightning_pp.summary.RunSummary` with the pipeline
+    one per logging interval, otherwise),
+    :class:`~lightning_pp.callbacks.progress.FinalValidation`, and
+    with ``summary`` the :class:`~lightning_pp.callbacks.summary.RunSummary` with the pipeline
     measurements it reads.
     """
     import sys
@@ -176,13 +178,13 @@ def build_trainer(
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import ProgressBar
 
-    from lightning_pp.config import _build_nested
-    from lightning_pp.progress import (
+    from lightning_pp.callbacks.progress import (
         FinalValidation,
         LossFile,
         PipelineProgressBar,
         PlainProgress,
     )
+    from lightning_pp.commands.config import _build_nested
 
     kwargs = {k: _build_nested(v) for k, v in (cfg.get("trainer") or {}).items()}
     if launch is not None:
@@ -272,7 +274,7 @@ def train(
 ) -> int:
     import lightning.pytorch as pl
 
-    from lightning_pp.summary import RunSummary
+    from lightning_pp.callbacks.summary import RunSummary
 
     if launch is not None:
         trainer_cfg = cfg.get("trainer") or {}
@@ -333,8 +335,8 @@ def sample_caption(trainer: Any, cfg: RunConfig, sample: SampleConfig) -> str:
     """
     import math
 
+    from lightning_pp.callbacks.summary import RunSummary
     from lightning_pp.commands._common import meta_model_info
-    from lightning_pp.summary import RunSummary
 
     parts = []
     try:
@@ -390,7 +392,7 @@ def sample_after_fit(trainer: Any, model: Any, cfg: RunConfig, sample: SampleCon
     """Generate ``sample.max_new_tokens`` characters on global rank 0 (``None`` elsewhere)."""
     import torch
 
-    from lightning_pp.data import generate
+    from lightning_pp.models.data import generate
 
     full = _full_model_on_rank_zero(trainer, model, cfg)
     if full is None:

@@ -2,7 +2,8 @@
 
 Prints the resolved config, the processes, the model's size, the plan (shape, placement,
 partition per rank and chunk with parameter counts, schedule and bubble, batch split: the lines
-of :meth:`~lightning_pp.plan.PipelinePlan.describe`, the same the strategy logs at start) and the
+of :meth:`~lightning_pp.layout.plan.PipelinePlan.describe`, the same the strategy logs at start)
+and the
 predicted schedule grid. Nothing is trained, no process is started and no weights are allocated:
 the model is built on PyTorch's ``meta`` device, where tensors have shapes but no storage, so a
 1B-parameter template checks in seconds on a laptop. ``lightning-pp validate`` is a deprecated
@@ -24,10 +25,10 @@ import argparse
 import sys
 
 from lightning_pp.commands._common import add_config_arguments, check_run, fail, split_options
+from lightning_pp.commands.config import ConfigError, RunConfig, load_config
+from lightning_pp.commands.launch import detect_launch_environment
 from lightning_pp.commands.plan_search import add_search_options, run_search
-from lightning_pp.config import ConfigError, RunConfig, load_config
-from lightning_pp.launch import detect_launch_environment
-from lightning_pp.plan import format_count
+from lightning_pp.layout.plan import format_count
 
 __all__ = ["register", "report", "run"]
 

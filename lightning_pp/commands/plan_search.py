@@ -19,8 +19,8 @@ import sys
 import time
 
 from lightning_pp.commands._common import check_run, fail
-from lightning_pp.config import ConfigError, RunConfig
-from lightning_pp.launch import detect_launch_environment
+from lightning_pp.commands.config import ConfigError, RunConfig
+from lightning_pp.commands.launch import detect_launch_environment
 
 __all__ = ["add_search_options", "candidate_sizes", "run_search"]
 
@@ -91,6 +91,8 @@ def run_search(cfg: RunConfig, args: argparse.Namespace, command: str = "plan") 
     """The ``--search`` report; 0, or 2 with a message."""
     from omegaconf import OmegaConf
 
+    from lightning_pp.commands.config import instantiate
+    from lightning_pp.layout.recompute_spec import parse_bytes
     from lightning_pp.planner import (
         ModelProfile,
         SearchError,
@@ -101,7 +103,6 @@ def run_search(cfg: RunConfig, args: argparse.Namespace, command: str = "plan") 
     )
     from lightning_pp.planner.profiler import profile_config
     from lightning_pp.planner.search import describe_memory, describe_shape
-    from lightning_pp.recompute import parse_bytes
 
     started = time.perf_counter()
     try:
@@ -130,7 +131,12 @@ def run_search(cfg: RunConfig, args: argparse.Namespace, command: str = "plan") 
     else:
         sizes = candidate_sizes(world, global_batch, args.max_microbatches)
         profile = profile_config(
-            cfg, sizes, cache_dir=args.cache_dir, repeats=args.repeats, world=world
+            cfg,
+            sizes,
+            cache_dir=args.cache_dir,
+            repeats=args.repeats,
+            world=world,
+            instantiate=instantiate,
         )
         source = f"measured on {profile.device} (microbatch sizes {profile.sizes}"
         source += "".join(f"; {n}" for n in profile.notes) + ")"

@@ -22,7 +22,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from lightning_pp.config import RunConfig
+from lightning_pp.commands.config import RunConfig
 
 __all__ = ["ConfigShape", "calibrate", "config_batch", "config_shape", "verify"]
 
@@ -33,7 +33,7 @@ def _log(message: str) -> None:
 
 def config_batch(cfg: RunConfig) -> Any:
     """The config's data module's first training batch (built on this process)."""
-    from lightning_pp.config import instantiate
+    from lightning_pp.commands.config import instantiate
 
     dm = instantiate(cfg.get("data"))
     for hook, arg in (("prepare_data", None), ("setup", "fit")):
@@ -54,7 +54,7 @@ class ConfigShape:
 def config_shape(cfg: RunConfig, profile: Any, world: int, global_batch: int) -> ConfigShape:
     """The config's ``strategy:`` shape (pp, vpp, microbatches, schedule, partition,
     recompute) for ``world`` processes at ``global_batch`` samples."""
-    from lightning_pp.plan import PreflightError
+    from lightning_pp.layout.rules import PreflightError
     from lightning_pp.planner.search import make_candidate
 
     s = cfg.get("strategy") or {}
@@ -88,10 +88,13 @@ def config_shape(cfg: RunConfig, profile: Any, world: int, global_batch: int) ->
 
 
 def _spec(cfg: RunConfig, batch: Any, cand: Any, args: argparse.Namespace, records: bool) -> Any:
+    from lightning_pp.commands.config import instantiate
     from lightning_pp.planner.verify import RunSpec, build_config_model
 
     return RunSpec.for_candidate(
-        functools.partial(build_config_model, cfg.get("model"), cfg.get("seed")),
+        functools.partial(
+            build_config_model, cfg.get("model"), cfg.get("seed"), instantiate=instantiate
+        ),
         batch,
         cand,
         warmup=args.verify_warmup,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from lightning_pp.plan import PipelinePlan
+from lightning_pp.layout.plan import PipelinePlan
 from lightning_pp.schedules import SCHEDULES, render_gantt, render_grid, simulate
 
 

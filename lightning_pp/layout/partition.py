@@ -18,7 +18,7 @@ from typing import Any
 
 from torch import nn
 
-from .schedules import check_positive
+from ..schedules import check_positive
 
 __all__ = [
     "PipelineChunk",

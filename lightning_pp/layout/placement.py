@@ -22,9 +22,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from .schedules import Schedule
+from ..schedules import Schedule
 
-__all__ = ["LayerPlacement"]
+__all__ = ["LayerPlacement", "layer_of", "split_layer_name"]
 
 
 class LayerPlacement:
@@ -33,7 +33,8 @@ class LayerPlacement:
     Args:
         schedule: the schedule the pipeline runs (only its shape and placement are read).
         layer_ranges: one contiguous range of layer indices per virtual stage, in stage order
-            (``pp * vpp`` of them, e.g. from :func:`~lightning_pp.partition.partition_layers`).
+            (``pp * vpp`` of them, e.g. from
+            :func:`~lightning_pp.layout.partition.partition_layers`).
     """
 
     def __init__(self, schedule: Schedule, layer_ranges: Sequence[range]) -> None:
@@ -130,3 +131,23 @@ class LayerPlacement:
 
 def _span(r: range) -> str:
     return f"{r.start}-{r.stop - 1}" if len(r) > 1 else str(r.start)
+
+
+def split_layer_name(name: str) -> tuple[int, str]:
+    """``"5.head.weight"`` -> ``(5, "head.weight")``: a name relative to a layer list split into
+    the layer index and the rest; a name without a leading index is an error."""
+    head, _, rest = name.partition(".")
+    if not head.isdigit() or not rest:
+        raise ValueError(
+            f"tied parameter name {name!r} must start with a layer index, e.g. '0.wte.weight'"
+        )
+    return int(head), rest
+
+
+def layer_of(name: str) -> int:
+    """The layer index a parameter name relative to :class:`PipelineLayers` starts with.
+
+    >>> layer_of("5.head.weight")
+    5
+    """
+    return split_layer_name(name)[0]

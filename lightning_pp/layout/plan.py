@@ -1,20 +1,13 @@
-"""PipelinePlan: every default and every validity rule of a pipeline shape, in one place.
+"""PipelinePlan: one pipeline shape, checked, with every default, in one frozen object.
 
 A plan is built from what is known (sizes, schedule, partition, then the world size, then the
 model's layers, then each batch) and refuses anything that cannot run, with a
-:class:`PreflightError` that names the numbers and the fix. The strategy, ``lightning-pp fit``,
-``lightning-pp plan`` and ``lightning-pp schedule`` all build one; nothing else states a rule.
-Every check is pure (no process group, no model weights), so a bad setting fails on every rank
-alike, before any rank talks to another, instead of one rank blocking on a message that never
-comes.
-
-Schedule rules live in :mod:`lightning_pp.schedules.generators`; the plan calls the generators
-and lets their messages through (as a :class:`PreflightError`). The defaults written here and
-only here: ``schedule`` is ``"1f1b"`` when ``vpp == 1`` and ``"interleaved"`` otherwise;
-``microbatches`` is ``pp``; ``pp=None`` means one pipeline over the whole world.
+:class:`~lightning_pp.layout.rules.PreflightError` that names the numbers and the fix. The
+strategy, ``lightning-pp fit``, ``lightning-pp plan`` and ``lightning-pp schedule`` all build
+one; the rules it applies live in :mod:`lightning_pp.layout.rules` and nowhere else.
 
 This module imports nothing heavier than the schedules at import time (``lightning-pp
-schedule`` starts without torch); the partition and module checks import torch when used.
+schedule`` starts without torch); the partition imports torch when used.
 
 Example:
     >>> plan = PipelinePlan.build(world_size=8, pp=4, vpp=2, microbatches=8, num_layers=16)
@@ -25,519 +18,31 @@ Example:
     >>> PipelinePlan.build(pp=4, world_size=6)
     Traceback (most recent call last):
     ...
-    lightning_pp.plan.PreflightError: world size 6 is not divisible by pp=4 ...
+    lightning_pp.layout.rules.PreflightError: world size 6 is not divisible by pp=4 ...
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import math
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .schedules import Schedule, build_schedule, check_positive, check_schedule_name, simulate
-
-__all__ = [
-    "PARTITION_METHODS",
-    "STRATEGY_STEPS",
-    "PipelinePlan",
-    "PipelineWarning",
-    "PreflightError",
-    "bubble_warning",
-    "check_batch",
-    "check_built_module",
-    "check_layers",
-    "check_module",
-    "check_no_scaler",
-    "check_pipeline_hooks",
-    "check_schedule_args",
-    "check_settings",
-    "check_world",
-    "default_schedule",
-    "format_count",
-    "ignored_step_overrides",
-    "ignored_steps_message",
-]
-
-#: the partition methods by name (an explicit per-stage list of layer counts is the other form)
-PARTITION_METHODS: tuple[str, ...] = ("uniform", "parameters", "cost")
-
-
-class PreflightError(ValueError):
-    """A pipeline setting that cannot work; the message names the numbers and the fix.
-
-    ``key`` names the :meth:`PipelinePlan.build` argument at fault (``"microbatches"``,
-    ``"world_size"``, ...) when one is, so that a front end can point at its own spelling of it
-    (the CLI says ``strategy.microbatches`` and where that value came from).
-
-    Example:
-        >>> try:
-        ...     PipelinePlan.build(pp=2, microbatches=0)
-        ... except PreflightError as e:
-        ...     (e.key, str(e))
-        ('microbatches', 'microbatches must be a positive integer, got 0')
-    """
-
-    def __init__(self, message: str, key: str | None = None) -> None:
-        super().__init__(message)
-        self.key = key
-
-
-class PipelineWarning(UserWarning):
-    """A setting that works but wastes most of the hardware (e.g. ``microbatches < pp``)."""
-
-
-def default_schedule(vpp: int) -> str:
-    """The schedule used when none is named: ``"1f1b"``, or ``"interleaved"`` for ``vpp > 1``."""
-    return "1f1b" if vpp == 1 else "interleaved"
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _positive(**values: Any) -> None:
-    # One check per value so that the error knows which argument it is about.
-    for name, value in values.items():
-        try:
-            check_positive(PreflightError, **{name: value})
-        except PreflightError as e:
-            raise PreflightError(str(e), key=name) from None
-
-
-def _positive_number(name: str, value: Any, unit: str, none_means: str | None = None) -> None:
-    """A positive, finite real; ``None`` passes (not given), and the message offers it only
-    where it means something to the user (``none_means``)."""
-    if value is None:
-        return
-    ok = (
-        isinstance(value, (int, float))
-        and not isinstance(value, bool)
-        and math.isfinite(value)
-        and value > 0
-    )
-    if not ok:
-        alt = f" or None ({none_means})" if none_means is not None else ""
-        raise PreflightError(
-            f"{name} must be a positive number of {unit}{alt}, got {value!r}", key=name
-        )
-
-
-# ------------------------------------------------------------------------------------ the rules
-
-
-def check_recompute(
-    recompute: Any, activation_budget: Any, *, split: str | None = None
-) -> tuple[Any, int | None]:
-    """The recompute rules: a valid ``recompute`` (see :mod:`lightning_pp.recompute`), an
-    ``activation_budget`` exactly when ``recompute="auto"``, and no ``"auto"`` with ``split``
-    (the strategy's ``split=``, whose stages the planner cannot measure yet). Returns
-    ``(recompute in normal form, budget in bytes or None)``; errors name the key.
-
-    >>> check_recompute("auto", "1MiB")
-    ('auto', 1048576)
-    """
-    from .recompute import parse_bytes, parse_recompute
-
-    spec = parse_recompute(recompute, key="recompute")
-    budget = None if activation_budget is None else parse_bytes(activation_budget)
-    if spec == "auto" and budget is None:
-        raise ValueError(
-            "recompute='auto' needs activation_budget: the bytes of saved activations each rank "
-            "may hold (e.g. activation_budget='6GiB')"
-        )
-    if spec != "auto" and budget is not None:
-        raise ValueError(
-            f"activation_budget={activation_budget!r} is only used with recompute='auto' "
-            f"(recompute is {recompute!r})"
-        )
-    if spec == "auto" and split:
-        raise ValueError(
-            "recompute='auto' is not supported with split= yet: use recompute='full' or a "
-            "list of layer indices"
-        )
-    return spec, budget
-
-
-def check_settings(
-    *,
-    vpp: int = 1,
-    microbatches: int | None = None,
-    partition: str | Sequence[int] = "uniform",
-    group_size: int | None = None,
-    recv_lookahead: int | None = None,
-    bucket_cap_mb: float | None = None,
-    watchdog_timeout: float | None = None,
-    accumulate_grad_batches: int = 1,
-) -> None:
-    """The rules that need no pipeline size: positive counts, a known partition, sane limits.
-
-    :meth:`PipelinePlan.build` runs them first; a front end that cannot know ``pp`` yet (``pp``
-    left to the world size, the world decided at run time) runs them alone.
-    """
-    sizes = {
-        "vpp": vpp,
-        "microbatches": microbatches,
-        "group_size": group_size,
-        "recv_lookahead": recv_lookahead,
-        "accumulate_grad_batches": accumulate_grad_batches,
-    }
-    _positive(**{k: v for k, v in sizes.items() if v is not None})
-    _positive_number("bucket_cap_mb", bucket_cap_mb, "megabytes")
-    _positive_number("watchdog_timeout", watchdog_timeout, "seconds", none_means="disabled")
-    if isinstance(partition, str):
-        if partition not in PARTITION_METHODS:
-            close = difflib.get_close_matches(partition, PARTITION_METHODS, n=1)
-            hint = f" Did you mean '{close[0]}'?" if close else ""
-            raise PreflightError(
-                f"unknown partition {partition!r}; use one of {list(PARTITION_METHODS)} or a "
-                f"list of per-stage layer counts (one per virtual stage, pp * vpp of them).{hint}",
-                key="partition",
-            )
-    elif not all(isinstance(c, int) and not isinstance(c, bool) for c in partition):
-        raise PreflightError(
-            f"an explicit partition is a list of per-stage layer counts (integers), got "
-            f"{list(partition)!r}",
-            key="partition",
-        )
-
-
-def check_world(world_size: int, pp: int, dp: int | None = None) -> int:
-    """Check ``world_size == pp * dp`` (``dp`` inferred when ``None``); return ``dp``.
-
-    ``world_size`` is ``num_nodes * devices`` (every process of the job).
-    """
-    _positive(world_size=world_size, pp=pp)
-    if dp is not None:
-        _positive(dp=dp)
-        if pp * dp != world_size:
-            raise PreflightError(
-                f"pp({pp}) * dp({dp}) = {pp * dp} != world size {world_size} "
-                f"(num_nodes x devices): set dp={world_size // pp if world_size % pp == 0 else '?'}"
-                f" or leave dp unset so it is inferred as world_size / pp",
-                key="dp",
-            )
-        return dp
-    if pp > world_size:
-        raise PreflightError(
-            f"pp={pp} pipeline stages need at least {pp} processes but the world size is "
-            f"{world_size} (num_nodes x devices); lower pp to a divisor of {world_size} "
-            f"({_divisors(world_size)}) or start {pp} processes",
-            key="pp",
-        )
-    if world_size % pp:
-        raise PreflightError(
-            f"world size {world_size} is not divisible by pp={pp} (world_size % pp = "
-            f"{world_size % pp}): dp = world_size / pp must be whole; use pp in "
-            f"{_divisors(world_size)} or a world size that is a multiple of {pp}",
-            key="pp",
-        )
-    return world_size // pp
-
-
-def bubble_warning(schedule: Schedule) -> str | None:
-    """Text of the warning for ``microbatches < pp`` (accepted, as in Megatron), else ``None``.
-
-    With fewer microbatches than stages the pipeline never fills: each rank idles
-    ``(pp - 1) / m`` times its compute (``(pp - 1) / (vpp * m)`` interleaved), i.e. more than
-    it works.
-    """
-    p, m, v = schedule.pp, schedule.microbatches, schedule.vpp
-    if schedule.name == "zbv" and p >= 2 and p <= m < 2 * p:
-        simulated = simulate(schedule).bubble_ratio
-        better = simulate(build_schedule("zbv", p, 2 * p)).bubble_ratio
-        return (
-            f"schedule 'zbv' with microbatches={m} < 2*pp={2 * p}: ZB-V's bubble is near zero "
-            f"only from microbatches >= 2*pp; simulated bubble {simulated:.3f} of ideal compute "
-            f"(t_f = t_i = t_w), {better:.3f} with microbatches={2 * p}. Accepted; raise "
-            f"microbatches to {2 * p} or more."
-        )
-    if p < 2 or m >= p:
-        return None
-    simulated = simulate(schedule).bubble_ratio
-    better = simulate(build_schedule(schedule.name, p, 2 * p, vpp=v)).bubble_ratio
-    formula = f"(pp-1)/m = {p - 1}/{m}" if v == 1 else f"(pp-1)/(vpp*m) = {p - 1}/{v * m}"
-    return (
-        f"microbatches={m} < pp={p}: the pipeline never fills; each rank idles "
-        f"{simulated:.2f}x its compute time per step (bubble {formula}). Accepted (Megatron "
-        f"allows it too), but raise microbatches to at least {p} (microbatches={2 * p} gives "
-        f"{better:.2f}x)."
-    )
-
-
-def check_schedule_args(
-    schedule: str | None,
-    pp: int,
-    microbatches: int | None = None,
-    vpp: int = 1,
-    group_size: int | None = None,
-    *,
-    warn: bool = True,
-) -> Schedule:
-    """Build the schedule the strategy would run (its generator's rules, unchanged).
-
-    ``schedule=None`` picks :func:`default_schedule`; ``microbatches=None`` means ``pp``. Emits
-    a :class:`PipelineWarning` for ``microbatches < pp`` (see :func:`bubble_warning`).
-
-    Raises:
-        PreflightError: bad sizes, an unknown schedule name (with a did-you-mean), or the
-            generator's own rules (e.g. interleaved group sizes) in the generator's words.
-    """
-    _positive(pp=pp, vpp=vpp)
-    m = pp if microbatches is None else microbatches
-    _positive(microbatches=m)
-    name = schedule if schedule is not None else default_schedule(vpp)
-    try:
-        check_schedule_name(name)
-    except ValueError as e:
-        raise PreflightError(str(e), key="schedule") from None
-    if name == "1f1b" and vpp > 1:
-        raise PreflightError(
-            f"schedule '1f1b' cannot interleave: it runs one chunk per rank but vpp={vpp}; use "
-            f"schedule='interleaved' (pp={pp}, vpp={vpp}) or 'gpipe', or set vpp=1",
-            key="schedule",
-        )
-    try:
-        built = build_schedule(name, pp=pp, microbatches=m, vpp=vpp, group_size=group_size)
-    except PreflightError:
-        raise
-    except ValueError as e:
-        raise PreflightError(str(e), key="schedule") from None
-    if warn:
-        text = bubble_warning(built)
-        if text:
-            warnings.warn(text, PipelineWarning, stacklevel=2)
-    return built
-
-
-def _format_split(counts: Sequence[int | float]) -> str:
-    from .partition import format_split
-
-    return format_split(counts)
-
-
-def check_layers(
-    num_layers: int,
-    pp: int,
-    vpp: int = 1,
-    partition: str | Sequence[int] = "uniform",
-    *,
-    layer_params: Sequence[int] | None = None,
-    layer_costs: Sequence[float] | None = None,
-) -> list[range]:
-    """Cut ``num_layers`` into ``pp * vpp`` chunks (one range per virtual stage, in stage order);
-    errors show the split that would result."""
-    from .partition import partition_layers
-
-    _positive(pp=pp, vpp=vpp)
-    if not isinstance(num_layers, int) or isinstance(num_layers, bool) or num_layers < 0:
-        raise PreflightError(
-            f"num_layers must be a non-negative integer, got {num_layers!r}", key="num_layers"
-        )
-    if num_layers == 0:
-        raise PreflightError(
-            "the module has no pipeline layers (PipelineLayers with 0 layers); build self.layers "
-            "= PipelineLayers([...]) with at least pp * vpp layers in configure_model()",
-            key="num_layers",
-        )
-    k = pp * vpp
-    if isinstance(partition, str) and num_layers < k:
-        base, rem = divmod(num_layers, k)
-        empty = [base + (1 if s >= k - rem else 0) for s in range(k)]
-        fits = [v for v in range(1, vpp + 1) if pp * v <= num_layers]
-        hint = f"use vpp={fits[-1]} (pp*vpp={pp * fits[-1]})" if fits else f"use pp <= {num_layers}"
-        raise PreflightError(
-            f"cannot cut num_layers={num_layers} into pp({pp}) * vpp({vpp}) = {k} non-empty "
-            f"chunks: the split would be {_format_split(empty)} (empty stages); {hint}, or use a "
-            f"model with at least {k} layers",
-            key="num_layers",
-        )
-    try:
-        return partition_layers(
-            num_layers, pp, vpp, partition, layer_params=layer_params, layer_costs=layer_costs
-        )
-    except ValueError as e:
-        raise PreflightError(str(e), key="partition") from None
-
-
-def check_batch(
-    batch_size: int | None,
-    microbatches: int,
-    dp: int = 1,
-    *,
-    global_batch_size: int | None = None,
-) -> None:
-    """Every microbatch needs at least one sample, on every data-parallel replica.
-
-    ``batch_size`` is what one process's DataLoader yields (per dp replica; every stage of a
-    pipeline sees the same batch). It need not be a multiple of ``microbatches``: the engine
-    splits unevenly and weights each microbatch's loss by its size. ``global_batch_size``
-    (optional) must split evenly over dp.
-    """
-    _positive(microbatches=microbatches, dp=dp)
-    if global_batch_size is not None:
-        _positive(global_batch_size=global_batch_size)
-        if global_batch_size % dp:
-            raise PreflightError(
-                f"global batch size {global_batch_size} does not split over dp={dp} replicas "
-                f"(remainder {global_batch_size % dp}); use a multiple of {dp}",
-                key="global_batch_size",
-            )
-        per = global_batch_size // dp
-        if batch_size is not None and batch_size != per:
-            raise PreflightError(
-                f"global batch size {global_batch_size} / dp({dp}) = {per} per replica, but the "
-                f"per-replica batch_size is {batch_size}",
-                key="batch_size",
-            )
-        batch_size = per
-    if batch_size is None:
-        return
-    _positive(batch_size=batch_size)
-    if batch_size < microbatches:
-        src = (
-            f"global batch {global_batch_size} / dp({dp}) = {batch_size}"
-            if global_batch_size is not None
-            else f"batch size {batch_size}"
-        )
-        raise PreflightError(
-            f"{src} per replica is smaller than microbatches={microbatches}: every microbatch "
-            f"needs at least one sample; lower microbatches to <= {batch_size} or raise the "
-            f"batch size to >= {microbatches}"
-            + (f" (global batch >= {microbatches * dp})" if dp > 1 else ""),
-            key="global_batch_size" if global_batch_size is not None else "batch_size",
-        )
-
-
-_HOOKS = ("pipeline_layers", "pipeline_input", "pipeline_loss")
-
-
-def check_module(module: Any, *, configured: bool = True) -> None:
-    """The module can be cut: pipeline hooks implemented, layers built where the strategy expects.
-
-    ``configured=False`` (before ``configure_model`` ran): the module must either define
-    ``configure_model`` (the place to build its :class:`~lightning_pp.model.PipelineLayers`, so
-    each rank materialises only its own layers) or already hold them.
-    ``configured=True``: ``pipeline_layers()`` must return a non-empty ``PipelineLayers``.
-    """
-    import lightning.pytorch as pl
-    from lightning.pytorch.utilities.model_helpers import is_overridden
-
-    from .model import PipelineLayers, PipelineMixin
-
-    name = type(module).__name__
-    missing = [h for h in _HOOKS if not callable(getattr(module, h, None))]
-    if missing:
-        raise PreflightError(
-            f"{name} lacks {', '.join(h + '()' for h in missing)}: the pipeline cannot cut it. "
-            f"Subclass lightning_pp.PipelineMixin, build self.layers = PipelineLayers([...]) in "
-            f"configure_model(), and implement pipeline_input(batch) and "
-            f"pipeline_loss(output, batch)"
-        )
-    for hook in ("pipeline_input", "pipeline_loss"):
-        if not is_overridden(hook, module, parent=PipelineMixin):
-            args = "batch" if hook == "pipeline_input" else "output, batch"
-            raise PreflightError(f"{name} must implement {hook}({args}) for the pipeline")
-    if not configured:
-        layers = getattr(module, "layers", None)
-        own_configure = is_overridden("configure_model", module, parent=pl.LightningModule)
-        custom_layers = is_overridden("pipeline_layers", module, parent=PipelineMixin)
-        if not own_configure and not isinstance(layers, PipelineLayers) and not custom_layers:
-            raise PreflightError(
-                f"{name} defines no configure_model() and holds no PipelineLayers: the strategy "
-                f"builds each rank's layers inside configure_model(); add\n"
-                f"    def configure_model(self):\n"
-                f"        if getattr(self, 'layers', None) is not None:\n"
-                f"            return  # built already: Lightning calls this in every fit/validate\n"
-                f"        self.layers = PipelineLayers([lambda: Block() for _ in range(n)])"
-            )
-        return
-    try:
-        layers = module.pipeline_layers()
-    except (TypeError, AttributeError) as e:
-        raise PreflightError(f"{name} has no pipeline layers after configure_model(): {e}") from e
-    if not isinstance(layers, PipelineLayers):
-        raise PreflightError(
-            f"{name}.pipeline_layers() returned {type(layers).__name__}, not PipelineLayers"
-        )
-    if layers.num_layers == 0:  # pragma: no cover - PipelineLayers rejects 0 builders itself
-        raise PreflightError(f"{name} has a PipelineLayers with no layers")
-
-
-def check_pipeline_hooks(module: Any) -> None:
-    """At the strategy's setup: the module has the hooks the explicit-layers path calls."""
-    for hook in _HOOKS:
-        if not callable(getattr(module, hook, None)):
-            raise TypeError(
-                f"{type(module).__name__} lacks {hook}(); subclass "
-                f"lightning_pp.PipelineMixin, or pass PipelineStrategy(split=...)"
-            )
-
-
-def check_built_module(module: Any, layers: Any, precision_plugin: Any) -> None:
-    """After ``configure_model``: every parameter lies in a layer (the pipeline trains only
-    those), and no gradient scaler is in use."""
-    inside = {id(p) for p in layers.parameters()}
-    outside = [n for n, p in module.named_parameters() if id(p) not in inside]
-    if outside:
-        raise ValueError(
-            f"parameters outside the PipelineLayers would never be trained by the pipeline: "
-            f"{outside[:5]}{' ...' if len(outside) > 5 else ''}; move them into a layer"
-        )
-    check_no_scaler(precision_plugin)
-
-
-def check_no_scaler(precision_plugin: Any) -> None:
-    """A gradient scaler (``precision='16-mixed'``) would need its inf checks and loss scale
-    agreed across stages; the strategy does not do that, so it refuses one."""
-    if getattr(precision_plugin, "scaler", None) is not None:
-        raise ValueError(
-            "PipelineStrategy does not support a gradient scaler (precision='16-mixed'); "
-            "use precision='bf16-mixed' or '32-true'"
-        )
-
-
-#: LightningModule steps the strategy never calls (it runs the pipeline itself), and what it calls
-#: instead. A module's own override of one of them is silently skipped under the strategy.
-STRATEGY_STEPS = {
-    "training_step": "pipeline_loss(output, batch) for the loss (and pipeline_log_train_loss(loss)"
-    " to log it)",
-    "validation_step": "pipeline_eval_step(output, batch, split) for metrics (what it returns or"
-    " self.log()s reaches every rank)",
-    "test_step": "pipeline_eval_step(output, batch, split) (split='test')",
-    "predict_step": "nothing: trainer.predict returns the last layer's output per batch; "
-    "post-process the returned predictions",
-}
-
-
-def ignored_step_overrides(module: Any) -> list[str]:
-    """The step methods in :data:`STRATEGY_STEPS` that ``module`` defines itself.
-
-    :class:`~lightning_pp.model.PipelineMixin` supplies these steps for the plain path; only a
-    module's own override (of the mixin's, or of Lightning's when the module does not use the
-    mixin) is reported. A torchmetrics ``Metric`` updated in such a ``validation_step`` would stay
-    at its initial value under the strategy, without any error.
-    """
-    import lightning.pytorch as pl
-    from lightning.pytorch.utilities.model_helpers import is_overridden
-
-    from .model import PipelineMixin
-
-    parent = PipelineMixin if isinstance(module, PipelineMixin) else pl.LightningModule
-    return [step for step in STRATEGY_STEPS if is_overridden(step, module, parent=parent)]
-
-
-def ignored_steps_message(module: Any, steps: Sequence[str]) -> str:
-    """The warning for :func:`ignored_step_overrides`: each step and the hook to use instead."""
-    lines = [f"  {step}: use {STRATEGY_STEPS[step]}" for step in steps]
-    return (
-        f"{type(module).__name__} overrides {', '.join(steps)}, which PipelineStrategy does not "
-        f"call (it runs the pipeline and calls the pipeline_* hooks instead); code there, e.g. a "
-        f"torchmetrics Metric update, never runs under the strategy:\n" + "\n".join(lines)
-    )
+from ..schedules import Schedule, simulate
+from .rules import (
+    PipelineWarning,
+    PreflightError,
+    _format_split,
+    _positive,
+    check_batch,
+    check_layers,
+    check_schedule_args,
+    check_settings,
+    check_world,
+)
+
+__all__ = ["PipelinePlan", "format_count"]
 
 
 # ------------------------------------------------------------------------------------ the plan
@@ -739,18 +244,15 @@ class PipelinePlan:
         :attr:`microbatches` non-empty microbatches (not necessarily equal ones)."""
         check_batch(batch_size, self.microbatches, self.dp or 1)
 
-    def check_batch_of(self, batch: Any, rank: int) -> None:
-        """:meth:`check_batch` for a batch as the DataLoader yields it, on global rank ``rank``.
+    def check_batch_on_rank(self, size: int | None, rank: int) -> None:
+        """:meth:`check_batch` for the batch global rank ``rank`` received (``size`` samples,
+        ``None`` for a batch without a batch dimension, which passes: the engine reports it
+        with the action).
 
         Every rank of a pipeline sees the same batch, so a batch too small for the microbatches
         (a short last batch too) raises the same error on all of them, before any communication,
-        instead of one rank failing and the rest waiting. A batch without a batch dimension
-        passes: the engine reports it with the action."""
-        from .microbatch import batch_size_of  # torch, imported on use
-
-        try:
-            size = batch_size_of(batch)
-        except ValueError:
+        instead of one rank failing and the rest waiting."""
+        if size is None:
             return
         try:
             self.check_batch(size)

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from .schedules import check_positive
+from ..schedules import check_positive
 
 __all__ = ["PipelineTopology", "ProcessGroups", "build_process_groups"]
 

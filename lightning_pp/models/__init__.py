@@ -1,4 +1,5 @@
-"""Example models written against the pipeline model-author API (:mod:`lightning_pp.model`)."""
+"""Example models written against the pipeline model-author API
+(:mod:`lightning_pp.strategy.model`)."""
 
 from .gpt import GPT
 

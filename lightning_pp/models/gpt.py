@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torchmetrics.functional.classification import multiclass_accuracy
 
-from ..model import PipelineLayers, PipelineMixin
+from ..strategy.model import PipelineLayers, PipelineMixin
 
 __all__ = ["GPT", "Block", "Embedding", "Head"]
 

@@ -133,7 +133,7 @@ class _JoinTanh(torch.autograd.Function):
     apply the ``tanh`` derivative themselves (inside their timed window)."""
 
     # Its backward only passes the gradient on (no compute, no side effects), so a split
-    # backward may run it in both I and W (see lightning_pp.split_backward).
+    # backward may run it in both I and W (see lightning_pp.runtime.split_backward).
     split_backward_safe = True
 
     @staticmethod

@@ -9,7 +9,7 @@ Per rank::
 - **optimizer state**: :data:`OPTIMIZER_BYTES` per parameter (Adam/AdamW: two fp32 moments,
   8 bytes; SGD with momentum 4; plain SGD 0). An assumption, chosen with ``optimizer=``.
 - **activations**: the schedule's in-flight profile
-  (:func:`~lightning_pp.recompute_plan.inflight_profile`: after every action, how many
+  (:func:`~lightning_pp.planner.recompute.inflight_profile`: after every action, how many
   microbatches of each local chunk hold their activations) times the bytes one microbatch of
   that chunk saves, at the worst action. One chunk's bytes are its layers' saved bytes, a
   storage two neighbouring layers both save counted once (``LayerCost.shared_bytes``). With
@@ -45,9 +45,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..recompute_plan import inflight_profile
 from ..schedules import Schedule
 from .profile import LayerCost
+from .recompute import inflight_profile
 
 __all__ = [
     "OPTIMIZER_BYTES",

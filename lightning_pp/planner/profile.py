@@ -69,7 +69,7 @@ class LayerCost:
     ``w_saved_bytes`` (and ``w_shared_bytes``, ``input_w_saved_bytes``,
     ``input_self_w_saved_bytes``, the same corrections): the part of ``saved_bytes`` that a
     split backward keeps from ``I`` to ``W`` outside the first stage (what ``W``'s nodes read
-    again: a Linear's input, not a GELU's; :mod:`lightning_pp.saved_for_w`). ``None`` (a
+    again: a Linear's input, not a GELU's; :mod:`lightning_pp.runtime.saved_for_w`). ``None`` (a
     profile from before they were measured): all of it.
 
     Example:

@@ -2,11 +2,13 @@
 
 Per layer and microbatch size: forward time, the engine's ``I`` (input gradient) and ``W``
 (weight gradients) times, measured with the engine's own split backward
-(:func:`~lightning_pp.split_backward.backward_input`, then :meth:`WeightWork.run
-<lightning_pp.split_backward.WeightWork.run>`), so the profile times what the engine runs, and
+(:func:`~lightning_pp.runtime.split_backward.backward_input`, then :meth:`WeightWork.run
+<lightning_pp.runtime.split_backward.WeightWork.run>`), so the profile times what the engine runs,
+and
 one fused backward (``B``; the fused schedules run it, and it costs less than ``I`` + ``W``); the
 bytes autograd saves (the engine's saved-bytes meter's rule, through
-:func:`~lightning_pp.recompute_plan.measure_chunk`); parameter, input and output bytes. Each
+:func:`~lightning_pp.runtime.recompute_probe.measure_chunk`); parameter, input and output bytes.
+Each
 time is the fastest of ``repeats`` runs after one warm-up, the runs spread over ``repeats``
 passes through the whole model (see :func:`profile_layers` for why the fastest and why
 passes).
@@ -42,9 +44,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..partition import PipelineChunk
-from ..recompute_plan import measure_chunk
-from ..split_backward import backward_input, fused_backward
+from ..layout.partition import PipelineChunk
+from ..runtime.recompute_probe import measure_chunk
+from ..runtime.split_backward import backward_input, fused_backward
 from .profile import LayerCost, ModelProfile
 
 __all__ = [
@@ -335,7 +337,7 @@ def profile_model(
     log: Log | None = _stderr,
     clock: Callable[[], float] = time.perf_counter,
 ) -> ModelProfile:
-    """Profile a built :class:`~lightning_pp.model.PipelineMixin` module: its
+    """Profile a built :class:`~lightning_pp.strategy.model.PipelineMixin` module: its
     ``pipeline_layers()`` fed ``pipeline_input(example_batch)`` repeated to each size."""
     layers_container = model.pipeline_layers()  # type: ignore[operator]
     layers = [layers_container[i] for i in range(layers_container.num_layers)]
@@ -391,9 +393,11 @@ def profile_config(
     repeats: int = 3,
     log: Log | None = _stderr,
     world: int = 1,
+    instantiate: Callable[[Any], Any],
 ) -> ModelProfile:
     """Profile every size in ``sizes`` of ``cfg``'s model on this process: build the model and
-    data module, take one training batch, measure. Sizes already in the cache
+    data module (``instantiate(spec)`` builds a config's class spec: the CLI's, which checks what
+    it may call), take one training batch, measure. Sizes already in the cache
     (``cache_dir/profile-<config_hash>.json``) are not measured again; a full hit builds
     nothing.
 
@@ -401,8 +405,6 @@ def profile_config(
     With one thread the layers are timed in process CPU time: on a shared CPU host a timed run
     that another process preempts would otherwise read many times its cost (measured: 20x
     outliers at ``nice 19`` next to a busy process, and a wrong recommendation from them)."""
-    from ..config import instantiate
-
     threads = profile_threads(world)
     digest = config_hash(cfg, threads)
     cache_dir = cache_dir or default_cache_dir()

@@ -3,15 +3,17 @@ of saved activations fits a byte budget.
 
 Three steps (:func:`plan_auto` runs them on every rank):
 
-1. **Probe** (:meth:`PipelineEngine.probe_step <lightning_pp.engine.PipelineEngine.probe_step>`):
+1. **Probe** (:meth:`PipelineEngine.probe_step
+<lightning_pp.runtime.engine.PipelineEngine.probe_step>`):
    the forward of microbatch 0 through the whole pipeline, gradients on, each layer measured by
-   :func:`measure_chunk`: the storages its forward saves for backward (keyed as the engine's
+   :func:`~lightning_pp.runtime.recompute_probe.measure_chunk`: the storages its forward saves for
+   backward (keyed as the engine's
    saved-bytes meter keys them), the tensor inputs a checkpoint of it would hold instead, and its
    forward time.
 2. **Profile**: the schedule says how many microbatches of each local chunk hold their
    activations after every action (+1 on ``F``, -1 on ``B``, and on ``W`` after a split
    backward). Under a split backward a recomputed layer holds its inputs from ``F`` to ``I``
-   and, once ``I`` has recomputed it (once, :class:`~lightning_pp.recompute.RecomputeOnce`),
+   and, once ``I`` has recomputed it (once, :class:`~lightning_pp.runtime.recompute.RecomputeOnce`),
    what its forward saved until ``W``: the profile counts the two spans apart.
 3. **Choose** (:func:`plan_rank`): for each chunk, every subset of its layers (a greedy chain
    beyond :data:`EXACT_LAYERS` layers) gives the bytes one microbatch holds (the union of the
@@ -35,31 +37,25 @@ from __future__ import annotations
 
 import itertools
 import logging
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import torch
 import torch.distributed as dist
-from torch import nn
 
-from .recompute import layer_names
-from .schedules import Op, Schedule
-from .split_backward import weight_nodes
+from ..layout.recompute_spec import format_bytes
+from ..runtime.recompute_probe import LayerProbe
+from ..schedules import Op, Schedule
 
 if TYPE_CHECKING:
-    from .engine import PipelineEngine
+    from ..runtime.engine import PipelineEngine
 
 __all__ = [
     "EXACT_LAYERS",
-    "LayerProbe",
     "RankPlan",
     "RecomputeBudgetError",
     "RecomputePlan",
-    "format_bytes",
     "inflight_profile",
-    "measure_chunk",
     "plan_auto",
     "plan_rank",
 ]
@@ -75,144 +71,6 @@ EXACT_AGAIN = 4
 
 class RecomputeBudgetError(ValueError):
     """Even the least-memory recompute choice exceeds the activation budget on some rank."""
-
-
-@dataclass
-class LayerProbe:
-    """One layer's forward on one microbatch: ``saved`` and ``inputs`` map a storage key (as the
-    engine's meter keys it) to its bytes; ``forward_s`` is the layer's forward time."""
-
-    name: str
-    index: int | None
-    saved: dict[Any, int] = field(default_factory=dict)
-    inputs: dict[Any, int] = field(default_factory=dict)
-    forward_s: float = 0.0
-    #: under a split backward, the part of ``saved`` that ``W`` unpacks again (a Linear's
-    #: input, a LayerNorm's statistics; not a GELU's input): what a recomputed layer still
-    #: holds from ``I`` to ``W``. ``None``: all of ``saved``.
-    w_saved: dict[Any, int] | None = None
-
-    @property
-    def kept_for_w(self) -> dict[Any, int]:
-        return self.saved if self.w_saved is None else self.w_saved
-
-
-def _checkpoint_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
-    """The tensors a checkpoint of this call holds through the saved-tensor hooks (as
-    :mod:`lightning_pp.recompute` passes them: a single tuple argument is flattened)."""
-    if len(args) == 1 and not kwargs and isinstance(args[0], (tuple, list)):
-        return [t for t in args[0] if isinstance(t, torch.Tensor)]
-    return [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
-
-
-class _Saved:
-    """A tensor the probed forward saved, with the layer and storage key it counts for and the
-    nodes that unpacked it during the probe's input-gradient pass."""
-
-    __slots__ = ("counted", "layer", "tensor", "users")
-
-    def __init__(self, t: torch.Tensor, layer: int | None, counted: tuple[Any, int] | None):
-        self.tensor, self.layer, self.counted = t, layer, counted
-        self.users: list[Any] = []
-
-
-def _unpack_saved(h: _Saved) -> torch.Tensor:
-    node = torch._C._current_autograd_node()
-    if node is not None:
-        h.users.append(id(node))  # the graph holds every node until the end: ids are unique
-    return h.tensor
-
-
-def _tensors(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _tensors(v)]
-    return []
-
-
-def _kept_for_w(out: Any, args: tuple[Any, ...], held: list[_Saved], probes: list[LayerProbe]):
-    """Run the probe's input gradient (``I``: nothing accumulates into ``.grad``) and note,
-    per layer, what ``W`` would unpack again: a tensor some node of ``W`` unpacked, or one no
-    node unpacked yet. What :meth:`RecomputeOnce.trim
-    <lightning_pp.recompute.RecomputeOnce.trim>` keeps after ``I``, by the same rule."""
-    outs = [t for t in _tensors(out) if t.requires_grad]
-    want = [t for t in _tensors(args[0]) if t.requires_grad]
-    nodes = weight_nodes(outs, want) if outs and want else None
-    if nodes is None:  # first stage (W runs the whole backward) or a fused backward
-        return
-    torch.autograd.grad(outs, want, [torch.ones_like(t) for t in outs], allow_unused=True)
-    ids = {id(n) for n in nodes}
-    for p in probes:
-        p.w_saved = {}
-    for h in held:
-        if h.counted is None or h.layer is None:
-            continue
-        if not h.users or any(u in ids for u in h.users):
-            probes[h.layer].w_saved[h.counted[0]] = h.counted[1]  # type: ignore[index]
-
-
-def measure_chunk(
-    chunk: nn.Module,
-    args: tuple[Any, ...],
-    key_fn: Callable[[torch.Tensor], tuple[Any, int] | None],
-    *,
-    split: bool = False,
-) -> tuple[Any, list[LayerProbe]]:
-    """Run ``chunk(*args)`` (gradients on) and measure each pipeline layer: returns the output
-    and one :class:`LayerProbe` per layer (positions as :func:`~lightning_pp.recompute.
-    layer_names`). ``key_fn`` keys a tensor's storage like the engine's meter (``None``:
-    not counted, e.g. a parameter). ``split`` (a split-backward schedule): also run the
-    input gradient of the chunk and fill each probe's ``w_saved``."""
-    names = layer_names(chunk)
-    modules = [chunk.get_submodule(n) if n else chunk for n, _ in names]
-    probes = [LayerProbe(n, i) for n, i in names]
-    current: list[int | None] = [None]
-    started = [0.0]
-    held: list[_Saved] = []
-
-    def pack(t: torch.Tensor) -> Any:
-        counted = key_fn(t) if current[0] is not None else None
-        if counted is not None:
-            probes[current[0]].saved[counted[0]] = counted[1]  # type: ignore[index]
-        if split:
-            held.append(_Saved(t, current[0], counted))
-            return held[-1]
-        return t
-
-    def pre(i: int):
-        def hook(_m: nn.Module, a: tuple[Any, ...], kw: dict[str, Any]) -> None:
-            for t in _checkpoint_args(a, kw):
-                counted = key_fn(t)
-                if counted is not None:
-                    probes[i].inputs[counted[0]] = counted[1]
-            current[0] = i
-            started[0] = time.perf_counter()
-
-        return hook
-
-    def post(i: int):
-        def hook(_m: nn.Module, _a: Any, _kw: Any, _out: Any) -> None:
-            probes[i].forward_s += time.perf_counter() - started[0]
-            current[0] = None
-
-        return hook
-
-    handles = []
-    for i, m in enumerate(modules):
-        handles.append(m.register_forward_pre_hook(pre(i), with_kwargs=True))
-        handles.append(m.register_forward_hook(post(i), with_kwargs=True))
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(
-            pack, _unpack_saved if split else (lambda t: t)
-        ):
-            out = chunk(*args)
-    finally:
-        for h in handles:
-            h.remove()
-    if split:
-        _kept_for_w(out, args, held, probes)
-    return out, probes
 
 
 def chunk_bytes(
@@ -322,15 +180,6 @@ def _chunk_options(probes: Sequence[LayerProbe], *, again: bool = False) -> list
         if not any(k.nbytes <= o.nbytes and k.refilled <= o.refilled for k in frontier):
             frontier.append(o)
     return frontier
-
-
-def format_bytes(n: float) -> str:
-    """``1.50 MiB``-style size."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n:.2f} GiB"  # pragma: no cover
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ import copy
 from collections.abc import Sequence
 from typing import Any
 
-from ..recompute_plan import format_bytes
+from ..layout.recompute_spec import format_bytes
 from .search import Prediction
 
 __all__ = ["chosen_config", "format_table"]

@@ -8,7 +8,7 @@ dividing the per-replica batch; the schedules (``gpipe``, ``1f1b``, ``zb-h1`` at
 ``gpipe``, ``interleaved``, ``zbv`` at ``vpp = 2``; ``gpipe``, ``interleaved`` at ``vpp = 4``;
 only ``1f1b`` at ``pp = 1``, where every schedule runs the same actions); recompute ``None`` or
 ``"full"``; the layer split ``uniform`` or ``cost`` (balanced by measured ``t_f + t_i + t_w``;
-dropped when it equals the uniform one). :class:`~lightning_pp.plan.PipelinePlan` checks each
+dropped when it equals the uniform one). :class:`~lightning_pp.layout.plan.PipelinePlan` checks each
 one: the planner states no rule of its own.
 
 **Step time** = the simulator's makespan + a data-parallel all-reduce term. The simulator gets
@@ -52,20 +52,21 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from ..partition import partition_layers
-from ..plan import (
-    PipelinePlan,
+from ..layout.partition import partition_layers
+from ..layout.plan import PipelinePlan
+from ..layout.recompute_spec import format_bytes
+from ..layout.rules import (
     PreflightError,
     check_batch,
     check_layers,
     check_schedule_args,
     check_world,
 )
-from ..recompute_plan import format_bytes, inflight_profile
 from ..schedules import Action, Costs, Op, receives
 from .fastsim import CompiledSchedule
 from .memory import RankMemory, rank_memory
 from .profile import LayerCost, ModelProfile
+from .recompute import inflight_profile
 
 __all__ = [
     "Candidate",
@@ -235,7 +236,7 @@ def memory_of(
     inflight: Sequence[Sequence[tuple[tuple[int, int], ...]]] | None = None,
 ) -> tuple[RankMemory, ...]:
     """Every pipeline rank's predicted memory (``layers`` at the candidate's microbatch size;
-    ``inflight[r]``: :func:`~lightning_pp.recompute_plan.inflight_profile` of rank r, when
+    ``inflight[r]``: :func:`~lightning_pp.planner.recompute.inflight_profile` of rank r, when
     computed already)."""
     return tuple(
         rank_memory(
@@ -353,7 +354,7 @@ def _base_plans(
 ) -> Iterator[tuple[int, PipelinePlan | None, str, str]]:
     """(dp, plan without layers or None, description, refusal) for every shape/schedule/m.
 
-    The plan's own rules (:mod:`lightning_pp.plan`: world, schedule, batch) judge each one;
+    The plan's own rules (:mod:`lightning_pp.layout.plan`: world, schedule, batch) judge each one;
     the plan is assembled from their results rather than with ``PipelinePlan.build``, which
     also simulates a warning text for every ``microbatches < pp`` (a search keeps those
     shapes and ranks them by their simulated bubble anyway)."""

@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..records import StepRecord
+from ..runtime.records import StepRecord
 from ..schedules import Op
 
 __all__ = [
@@ -223,11 +223,17 @@ class BuiltModel:
     loss_fn: Callable[[Any, Any], torch.Tensor]
 
 
-def build_config_model(model_spec: dict[str, Any], seed: int | None = None) -> BuiltModel:
-    """Build a config's ``model:`` section (a :class:`~lightning_pp.model.PipelineMixin`) and
-    return its layers and hooks (every layer is built on every rank; each runs its own)."""
-    from ..config import instantiate
-
+def build_config_model(
+    model_spec: dict[str, Any],
+    seed: int | None = None,
+    *,
+    instantiate: Callable[[Any], Any],
+) -> BuiltModel:
+    """Build a config's ``model:`` section (a :class:`~lightning_pp.strategy.model.PipelineMixin`)
+    and
+    return its layers and hooks (every layer is built on every rank; each runs its own).
+    ``instantiate(spec)`` builds the spec (the CLI's, a module-level function: ranks unpickle
+    it)."""
     if isinstance(seed, int):
         torch.manual_seed(seed)
     model = instantiate(model_spec)
@@ -326,12 +332,12 @@ def _run_worker(rank: int, world: int, specs: Sequence[RunSpec]) -> list[dict[st
 
 
 def _run_one(rank: int, world: int, spec: RunSpec) -> dict[str, Any]:
-    from ..engine import PipelineEngine
-    from ..grad_sync import DeferredGradSync
-    from ..partition import PipelineChunk
-    from ..plan import check_layers
+    from ..layout.partition import PipelineChunk
+    from ..layout.rules import check_layers
+    from ..layout.topology import PipelineTopology, build_process_groups
+    from ..runtime.engine import PipelineEngine
+    from ..runtime.grad_sync import DeferredGradSync
     from ..schedules import build_schedule
-    from ..topology import PipelineTopology, build_process_groups
 
     model = spec.builder()
     schedule = build_schedule(
@@ -575,7 +581,7 @@ def fit_links(
     where a receive asked after its data was sent.
 
     Example:
-        >>> from lightning_pp.records import StepEvent
+        >>> from lightning_pp.runtime.records import StepEvent
         >>> from lightning_pp.schedules import build_schedule
         >>> s = build_schedule("1f1b", pp=1, microbatches=2)
         >>> ev = [StepEvent(a, 0.0, 1.5 if a.op is Op.F else 2.5) for a in s.ranks[0]]
@@ -584,7 +590,7 @@ def fit_links(
         >>> cal.compute_scale, cal.overhead_s
         (1.0, 0.5)
     """
-    from ..callbacks.analysis import _receives, p2p_latency, receive_overhead
+    from .measured import cross_stage_receives, p2p_latency, receive_overhead
 
     events = [
         (nominal(r, e.action.chunk, e.action.op), e)
@@ -601,7 +607,7 @@ def fit_links(
     if len(records) > 1:
         for i in range(steps):
             one = [recs[i] for recs in records]
-            got = _receives(one, [0.0] * len(one))
+            got = cross_stage_receives(one, [0.0] * len(one))
             n = sum(1 for st, _, sent in got if st < sent)
             if n:
                 latencies.append(p2p_latency(one))

@@ -5,7 +5,7 @@ The executor is one loop over this rank's action list. Around each action it:
 1. waits for the receives the action needs (posted at the end of an earlier action),
 2. computes (F: forward through one local chunk; B: backward of the OLDEST stashed forward of
    that chunk; I: its input gradient only, W: later, its weight gradients; see
-   :mod:`lightning_pp.split_backward`),
+   :mod:`lightning_pp.runtime.split_backward`),
 3. posts the action's sends TOGETHER with the receives of the next action, and of later ones up
    to ``recv_lookahead`` ahead, in one batched call.
 
@@ -16,8 +16,9 @@ runs here without deadlock.
 
 :class:`PipelineEngine` keeps what lives across steps and puts the reliability around the loop
 (watchdog context, abort channel, errors that show the schedule grid). One step's state is a
-:class:`~lightning_pp.engine_step.StepRun`; its traffic goes through a
-:class:`~lightning_pp.p2p.ReceiveWindow` of the :class:`~lightning_pp.p2p.P2PCommunicator`.
+:class:`~lightning_pp.runtime.engine_step.StepRun`; its traffic goes through a
+:class:`~lightning_pp.runtime.receive_window.ReceiveWindow` of the
+:class:`~lightning_pp.runtime.p2p.P2PCommunicator`.
 
 Example (every rank of the pipeline runs the same code)::
 
@@ -44,22 +45,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..layout.recompute_spec import RecomputeSpec, parse_recompute
+from ..layout.topology import PipelineTopology, ProcessGroups
+from ..schedules import Action, Schedule, check_positive
 from .engine_step import StepRun, place_chunks
 from .failure import DEFAULT_WATCHDOG_TIMEOUT, FailureMonitor, PipelineAborted, PipelineHang
 from .numerics import FiniteChecker
 from .p2p import P2PCommunicator, p2p_backend
-from .recompute import (
-    RecomputeSpec,
-    Targets,
-    install_recompute,
-    install_targets,
-    parse_recompute,
-    select_positions,
-)
-from .recompute_plan import LayerProbe
+from .recompute import Targets, install_recompute, install_targets, select_positions
+from .recompute_probe import LayerProbe
 from .records import StepRecord
-from .schedules import Action, Schedule, check_positive
-from .topology import PipelineTopology, ProcessGroups
 
 # The transfers of failed steps, never released (see the end of _run_actions).
 _ABANDONED: list[object] = []
@@ -97,7 +92,7 @@ def _format_grid(schedule: Schedule, rank: int, index: int) -> str:
 
 def _format_grid_marks(schedule: Schedule, marks: dict[int, int]) -> str:
     try:  # the schedules package's grid marks the failing step; fall back to a plain list
-        from .schedules.validate import format_grid
+        from ..schedules.validate import format_grid
 
         return format_grid(schedule, marks)
     except Exception:  # pragma: no cover - only when the validator module is unavailable
@@ -131,14 +126,18 @@ class PipelineEngine:
             a step: its last ``B``, or its last ``W`` under a split backward (deferred
             data-parallel gradient sync).
         device: where receive buffers live; default: the first chunk's parameter device.
-        static_shapes: agree activation shapes once (see :mod:`lightning_pp.p2p`).
+        static_shapes: agree activation shapes once (see :mod:`lightning_pp.runtime.p2p`).
         measure_memory: record bytes saved for backward (``saved_tensors_hooks``; small cost).
         watchdog_timeout: seconds one point-to-point wait may block before the step fails with
-            the hang report (:class:`~lightning_pp.failure.PipelineHang`); ``None`` disables it.
+            the hang report (:class:`~lightning_pp.runtime.errors.PipelineHang`); ``None``
+            disables it.
         abort_on_failure: publish this rank's failure on the job's c10d store and stop (raise
-            :class:`~lightning_pp.failure.PipelineAborted`) as soon as another rank has failed.
-        check_finite: raise :class:`~lightning_pp.numerics.NonFiniteError` where NaN/inf first
-            appear (activations, loss, gradients; see :mod:`lightning_pp.numerics` for the cost).
+            :class:`~lightning_pp.runtime.errors.PipelineAborted`) as soon as another rank has
+            failed.
+        check_finite: raise :class:`~lightning_pp.runtime.numerics.NonFiniteError` where NaN/inf
+        first
+            appear (activations, loss, gradients; see :mod:`lightning_pp.runtime.numerics` for the
+            cost).
         failure_monitor: use this monitor instead of one on the default store (tests, or
             several independent engines in one job).
         recv_lookahead: post the receives of up to this many upcoming actions (at least the
@@ -148,28 +147,29 @@ class PipelineEngine:
             loaded 2-core machine). Each posted receive holds one boundary buffer, so this
             bounds the extra memory. ``None``: :data:`GLOO_RECV_LOOKAHEAD` on gloo with
             pp > 1, else 1. Not used on NCCL: there receives follow the schedule's global
-            message order (:mod:`lightning_pp.p2p_order`), which one stream per rank needs.
+            message order (:mod:`lightning_pp.runtime.p2p_order`), which one stream per rank needs.
         chunk_gets_microbatch: call ``chunk(x, microbatch)`` instead of ``chunk(x)``, so a
             chunk can read its microbatch (token ids, masks, labels) without those tensors
             travelling with the activation (a split model recomputes its side inputs from them;
             see :mod:`lightning_pp.autosplit`). ``input_fn`` may then return ``()``.
         recompute: activation recompute in training forwards (never in eval):
             ``None``, ``"full"``, layer indices, or a
-            :class:`~lightning_pp.recompute.Selective` (see :mod:`lightning_pp.recompute`;
-            ``"auto"`` is resolved by :func:`lightning_pp.recompute_plan.plan_auto`, which
+            :class:`~lightning_pp.layout.recompute_spec.Selective` (see
+            :mod:`lightning_pp.runtime.recompute`;
+            ``"auto"`` is resolved by :func:`lightning_pp.planner.recompute.plan_auto`, which
             calls :meth:`set_recompute_positions`). Under a split backward (``I``/``W``) each
             recomputed region runs its forward again once, in ``I``, and keeps the result for
-            ``W`` (:class:`~lightning_pp.recompute.RecomputeOnce`; torch's checkpoint would
+            ``W`` (:class:`~lightning_pp.runtime.recompute.RecomputeOnce`; torch's checkpoint would
             recompute a second time for ``W``).
 
     The batch given to ``train_step``/``eval_step`` must already be on ``device``; every rank of
     a pipeline gets the same batch (the first stage reads inputs, the last stage the targets).
 
     Besides the arguments, it holds what lives across steps: ``places`` (one
-    :class:`~lightning_pp.engine_step.ChunkPlace` per local chunk, from the schedule's
-    placement), ``comm`` (the :class:`~lightning_pp.p2p.P2PCommunicator`), ``monitor``,
+    :class:`~lightning_pp.runtime.engine_step.ChunkPlace` per local chunk, from the schedule's
+    placement), ``comm`` (the :class:`~lightning_pp.runtime.p2p.P2PCommunicator`), ``monitor``,
     ``finite_checker`` (``None`` unless ``check_finite``) and ``param_storages``. Everything of
-    one step lives in a :class:`~lightning_pp.engine_step.StepRun`.
+    one step lives in a :class:`~lightning_pp.runtime.engine_step.StepRun`.
     """
 
     def __init__(
@@ -232,7 +232,7 @@ class PipelineEngine:
             raise ValueError(
                 f"rank {topology.rank}: PipelineEngine(recompute='auto') needs the planner: "
                 "build the engine with recompute=None and call "
-                "lightning_pp.recompute_plan.plan_auto(engine, batch, budget)"
+                "lightning_pp.planner.recompute.plan_auto(engine, batch, budget)"
             )
         # Where each local chunk sits, from the schedule's placement (eval's forward-only
         # schedule keeps it); the step loss comes from the rank holding the last stage.
@@ -302,7 +302,8 @@ class PipelineEngine:
         again: Sequence[Sequence[int]] | None = None,
     ) -> None:
         """Recompute the layers at these positions of each local chunk (the planner's choice;
-        positions index :func:`~lightning_pp.recompute.layer_names` of each chunk). ``again``:
+        positions index :func:`~lightning_pp.runtime.recompute.layer_names` of each chunk).
+        ``again``:
         under a split backward, those (among ``positions``) that recompute again for ``W``
         instead of keeping ``I``'s recompute."""
         self.recompute_targets = install_targets(select_positions(self.chunks, positions))

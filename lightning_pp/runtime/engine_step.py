@@ -1,4 +1,4 @@
-"""One step of one rank: the per-step state of :class:`~lightning_pp.engine.PipelineEngine`.
+"""One step of one rank: the per-step state of :class:`~lightning_pp.runtime.engine.PipelineEngine`.
 
 :class:`StepRun` lives for one ``train_step``/``eval_step``: the microbatches, the stash of
 forwards waiting for their backward, the step loss, the pending sends and the receive window.
@@ -9,7 +9,7 @@ The engine keeps only what outlives a step (chunks, communicator, settings); its
 2. ``execute``: F runs one local chunk forward, B the backward of that chunk's OLDEST stash entry;
 3. ``post``: the action's sends go out with the receives of up to ``recv_lookahead`` later
    actions, then the output release and the chunk's gradients-ready hook;
-4. ``record``: one :class:`~lightning_pp.records.StepEvent`.
+4. ``record``: one :class:`~lightning_pp.runtime.records.StepEvent`.
 
 Where each chunk sits in the pipeline comes from the schedule's placement once
 (:func:`place_chunks`); nothing here has a placement formula of its own.
@@ -21,25 +21,61 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from ..layout.topology import PipelineTopology
+from ..schedules import Action, Op, Schedule
 from .microbatch import batch_size_of, split_microbatches
-from .p2p import ACT, GRAD, Message, PendingRecv, RecvRequest, SendQueue, Spec, format_specs
 from .p2p_order import message_order
+from .p2p_wire import ACT, GRAD, Message, PendingRecv, RecvRequest, SendQueue, Spec, format_specs
 from .recompute import RecomputeOnce, recompute_active
-from .recompute_plan import LayerProbe, measure_chunk
+from .recompute_probe import LayerProbe, measure_chunk
 from .records import StepRecorder
 from .saved_for_w import SavedForW
-from .schedules import Action, Op, Schedule
 from .split_backward import WeightWork, autocast_off, backward_input, fused_backward
-from .topology import PipelineTopology
 
 if TYPE_CHECKING:
-    from .engine import PipelineEngine
+    from torch import nn
 
-__all__ = ["ChunkPlace", "Stash", "StepRun", "place_chunks"]
+    from .numerics import FiniteChecker
+    from .p2p import P2PCommunicator
+    from .recompute import Targets
+
+__all__ = ["ChunkPlace", "StepEngine", "Stash", "StepRun", "place_chunks"]
+
+
+class StepEngine(Protocol):
+    """What one step reads of its :class:`~lightning_pp.runtime.engine.PipelineEngine`: the
+    settings and parts that outlive the step (the engine satisfies it)."""
+
+    chunks: list[nn.Module]
+    schedule: Schedule
+    places: list[ChunkPlace]
+    device: torch.device
+    comm: P2PCommunicator
+    recv_lookahead: int
+    loss_fn: Callable[[Any, Any], torch.Tensor]
+    input_fn: Callable[[Any], Any]
+    loss_reduction: str
+    release_outputs: bool
+    measure_memory: bool
+    chunk_gets_microbatch: bool
+    on_chunk_grads_ready: Callable[[int], None] | None
+    graph_free: list[bool]
+    recompute_targets: Targets
+    recompute_again: list[nn.Module]
+    finite_checker: FiniteChecker | None
+    param_storages: set[int]
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def pp_rank(self) -> int: ...
+
+    def recomputes(self, chunk: int) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -277,7 +313,7 @@ class StepRun:
 
     def __init__(
         self,
-        engine: PipelineEngine,
+        engine: StepEngine,
         schedule: Schedule,
         batch: Any,
         *,

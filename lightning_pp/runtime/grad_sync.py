@@ -220,11 +220,13 @@ def tied_parameter_sync(
     """Collective (every rank, same order): one process group per tied weight whose copies live
     on several pipeline ranks (one per data-parallel replica), and this rank's view of each.
 
-    ``layers``: this rank's :class:`~lightning_pp.model.PipelineLayers` (``layers.tied`` lists
+    ``layers``: this rank's :class:`~lightning_pp.strategy.model.PipelineLayers` (``layers.tied``
+    lists
     each group's names, canonical first); ``placement``: the
-    :class:`~lightning_pp.placement.LayerPlacement` saying which pipeline rank holds which layer.
+    :class:`~lightning_pp.layout.placement.LayerPlacement` saying which pipeline rank holds which
+    layer.
     """
-    from .model import layer_of
+    from ..layout.placement import layer_of
 
     tied: list[TiedGroup] = []
     for names in layers.tied:

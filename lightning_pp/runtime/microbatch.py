@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["batch_size_of", "split_microbatches"]
+__all__ = ["batch_size_of", "batch_size_or_none", "split_microbatches"]
 
 
 def _tensor_sizes(batch: Any, path: str, out: list[tuple[str, int]]) -> None:
@@ -45,6 +45,15 @@ def batch_size_of(batch: Any) -> int:
         listing = ", ".join(f"{p}: {s}" for p, s in sizes)
         raise ValueError(f"tensors in the batch disagree on the dim-0 (batch) size: {listing}")
     return sizes[0][1]
+
+
+def batch_size_or_none(batch: Any) -> int | None:
+    """:func:`batch_size_of`, or ``None`` for a batch it cannot size (no batch dimension, or
+    tensors that disagree: the engine reports those with the action that meets them)."""
+    try:
+        return batch_size_of(batch)
+    except ValueError:
+        return None
 
 
 def _split(batch: Any, m: int) -> list[Any]:

@@ -2,7 +2,7 @@
 
 No GPU is available to this project's CI, yet every user trains over NCCL, which differs from
 gloo exactly where a correct schedule turns into a hang or a silently wrong gradient. With
-``LIGHTNING_PP_EMULATE_NCCL=1`` (read when a :class:`~lightning_pp.p2p.P2PCommunicator` is
+``LIGHTNING_PP_EMULATE_NCCL=1`` (read when a :class:`~lightning_pp.runtime.p2p.P2PCommunicator` is
 built) or ``P2PCommunicator(..., emulate_nccl=True)``, a gloo run obeys NCCL's rules:
 
 - **Matching by posting order.** NCCL ignores tags: the k-th send from rank a to rank b meets
@@ -23,7 +23,7 @@ built) or ``P2PCommunicator(..., emulate_nccl=True)``, a gloo run obeys NCCL's r
   first batched P2P call to involve every member); a P2P batch first is an error.
 
 The engine then takes NCCL's defaults (``recv_lookahead=1``, the monitor polls
-``is_completed()``, no landing marks) because :func:`lightning_pp.p2p.p2p_backend` says
+``is_completed()``, no landing marks) because :func:`lightning_pp.runtime.p2p.p2p_backend` says
 ``"nccl"``.
 
 Example (what the communicator does under emulation)::

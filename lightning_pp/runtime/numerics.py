@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .schedules import Action
+from ..schedules import Action
 
 __all__ = [
     "FiniteChecker",
@@ -86,7 +86,7 @@ def _as_list(x: Any) -> list[Any]:
 
 @torch.no_grad()
 def first_nonfinite_layer(chunk: nn.Module, x: Any) -> tuple[int, str] | None:
-    """Re-run ``chunk`` (a :class:`~lightning_pp.partition.PipelineChunk`) on ``x`` layer by
+    """Re-run ``chunk`` (a :class:`~lightning_pp.layout.partition.PipelineChunk`) on ``x`` layer by
     layer; return ``(original layer index, layer class name)`` of the first non-finite output."""
     layers = getattr(chunk, "layers", None)
     indices = getattr(chunk, "layer_indices", None)

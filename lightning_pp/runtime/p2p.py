@@ -38,9 +38,10 @@ receive may, since headers have their own tag.
 Tags separate channels on gloo: ``tag = ((stage * 2 + kind) * 2 + is_header)`` where ``stage``
 is the receiving virtual stage. NCCL ignores tags, matches a pair's messages in posting order and
 runs a rank's operations on one stream; there the window posts in the schedule's global message
-order instead (:mod:`lightning_pp.p2p_order`, :meth:`P2PCommunicator.exchange_ordered`: a header
+order instead (:mod:`lightning_pp.runtime.p2p_order`, :meth:`P2PCommunicator.exchange_ordered`: a
+header
 is waited for before anything later in that order is posted). ``LIGHTNING_PP_EMULATE_NCCL=1``
-runs gloo under NCCL's rules for tests (:mod:`lightning_pp.nccl_emulation`). A message whose
+runs gloo under NCCL's rules for tests (:mod:`lightning_pp.runtime.nccl_emulation`). A message whose
 peer is this very rank (pp=1 with several chunks) is handed over in-process.
 
 Example (on every rank of an initialized pipeline group)::
@@ -58,83 +59,46 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch.distributed import Work
 
+from ..layout.topology import PipelineTopology
 from .failure import FailureMonitor
 from .nccl_emulation import EmulatedStream, emulation_enabled
 from .p2p_order import RankOrder
-from .topology import PipelineTopology
+from .p2p_wire import (
+    _DTYPE_CODE,
+    _DTYPES,
+    _KIND,
+    _MAGIC,
+    ACT,
+    Message,
+    PendingRecv,
+    PendingSend,
+    RecvRequest,
+    Spec,
+    _arm,
+    _landed,
+    _Op,
+    _OpBatch,
+    format_specs,
+    specs_of,
+)
+from .receive_window import Needs, ReceiveWindow
 
-__all__ = [
-    "ACT",
-    "GRAD",
-    "Message",
-    "P2PCommunicator",
-    "PendingRecv",
-    "PendingSend",
-    "ReceiveWindow",
-    "RecvRequest",
-    "SendQueue",
-    "Spec",
-    "format_specs",
-    "p2p_backend",
-]
+__all__ = ["P2PCommunicator", "p2p_backend"]
 
-ACT, GRAD = 0, 1
-_KIND = {ACT: "activation", GRAD: "gradient"}
-_MAGIC = 0x5050  # first header word: catches a data message read as a header
 # Seconds the set-up rendezvous may wait before the watchdog calls it a hang (at least; a larger
 # watchdog_timeout wins).
 SETUP_RENDEZVOUS_TIMEOUT = 120.0
-_DTYPES = [
-    torch.float32,
-    torch.float16,
-    torch.bfloat16,
-    torch.float64,
-    torch.int64,
-    torch.int32,
-    torch.int16,
-    torch.int8,
-    torch.uint8,
-    torch.bool,
-]
-_DTYPE_CODE = {d: i for i, d in enumerate(_DTYPES)}
-
-Spec = tuple[tuple[int, ...], torch.dtype]
-
-# gloo offers no completion test for a receive before wait() (is_completed() stays False until
-# then), but it writes a message straight into the posted buffer, in order. An 8-byte pattern
-# in the buffer's last bytes therefore shows when the message has landed: the wait then returns
-# at once and can run on the calling thread, without the failure monitor's helper-thread
-# hand-off (0.2-0.4 ms per receive on a loaded 2-core machine). A message that itself ends in
-# the pattern (2^-64 for random bytes) only takes the slow path: correctness never rests on it.
-_LANDING_MARK = torch.tensor(list(b"\x9d\x1fLPPmk\xc3"), dtype=torch.uint8)
-
-
-def _arm(buffer: torch.Tensor) -> torch.Tensor | None:
-    """Write the landing mark into ``buffer``'s last 8 bytes; return that byte view."""
-    if not buffer.is_contiguous():
-        return None
-    tail = buffer.view(-1).view(torch.uint8)[-8:]
-    if tail.numel() < 8:
-        return None
-    tail.copy_(_LANDING_MARK)
-    return tail
-
-
-def _landed(marks: Sequence[torch.Tensor | None]) -> bool:
-    """True if every marked buffer's mark was overwritten (its message has arrived)."""
-    return bool(marks) and all(m is not None and not torch.equal(m, _LANDING_MARK) for m in marks)
 
 
 def p2p_backend(group: dist.ProcessGroup | None) -> str:
     """The backend whose rules the pipeline traffic on ``group`` follows: ``"nccl"`` under the
-    NCCL emulation (:mod:`lightning_pp.nccl_emulation`), else the group's backend (``"gloo"``
+    NCCL emulation (:mod:`lightning_pp.runtime.nccl_emulation`), else the group's backend
+    (``"gloo"``
     without a process group). The engine picks its defaults (receive lookahead, how the monitor
     waits) from it."""
     if emulation_enabled():
@@ -143,176 +107,6 @@ def p2p_backend(group: dist.ProcessGroup | None) -> str:
         return str(dist.get_backend(group))
     except Exception:  # no process group (single-rank unit tests)
         return "gloo"
-
-
-def format_specs(specs: Sequence[Spec]) -> str:
-    """``[(4, 16) float32, (4,) int64]`` style text of a tensor list for error messages."""
-    return "[" + ", ".join(f"{tuple(s)} {str(d).replace('torch.', '')}" for s, d in specs) + "]"
-
-
-def specs_of(tensors: Sequence[torch.Tensor]) -> list[Spec]:
-    return [(tuple(t.shape), t.dtype) for t in tensors]
-
-
-@dataclass
-class Message:
-    """One outgoing activation or gradient. ``stage`` is the RECEIVING virtual stage."""
-
-    kind: int
-    peer: int
-    stage: int
-    mb: int
-    tensors: tuple[torch.Tensor, ...]
-    is_tuple: bool = True
-
-
-@dataclass
-class RecvRequest:
-    """One expected incoming message. ``specs`` is required for gradients (known shapes).
-    ``chunk``: the receiving local chunk, named in hang and abort messages."""
-
-    kind: int
-    peer: int
-    stage: int
-    mb: int
-    specs: list[Spec] | None = None
-    chunk: int | None = None
-
-
-@dataclass
-class PendingSend:
-    """Posted sends; holds the send buffers alive until the works complete."""
-
-    works: list[Work]
-    buffers: list[torch.Tensor]
-    monitor: FailureMonitor | None = None
-    peers: list[int] = field(default_factory=list)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.buffers)
-
-    def done(self) -> bool:
-        return all(w.is_completed() for w in self.works)
-
-    @classmethod
-    def combine(cls, sends: Sequence[PendingSend]) -> PendingSend:
-        """One pending send for several: waiting for them costs one monitored wait, not one
-        each (the end-of-step wait of a whole step's sends)."""
-        monitor = next((s.monitor for s in sends if s.monitor is not None), None)
-        return cls(
-            [w for s in sends for w in s.works],
-            [b for s in sends for b in s.buffers],
-            monitor,
-            [p for s in sends for p in s.peers],
-        )
-
-    def wait(self) -> None:
-        if self.monitor is not None:
-            peers = sorted(set(self.peers))
-            self.monitor.wait(
-                self.works, f"waiting for its sends to rank(s) {peers} to complete", peer=None
-            )
-        else:
-            for w in self.works:
-                w.wait()
-        self.works, self.buffers = [], []
-
-
-class SendQueue:
-    """One step's sends not yet known to be complete, oldest first, and the bytes they hold.
-
-    Example::
-
-        sends = SendQueue()
-        sends.add(pending_send)
-        sends.reap()   # drop the completed ones at the head
-        sends.wait()   # end of step: wait for all of them
-    """
-
-    def __init__(self) -> None:
-        self._queue: deque[PendingSend] = deque()
-        self.nbytes = 0  # a running total: re-summing per action would be O(n^2) per step
-
-    def add(self, sent: PendingSend) -> None:
-        if sent.works:
-            self._queue.append(sent)
-            self.nbytes += sent.nbytes
-
-    def reap(self) -> None:
-        """Forget the sends known complete (they complete in order: NCCL; gloo: at wait)."""
-        while self._queue and self._queue[0].done():
-            self.nbytes -= self._queue.popleft().nbytes
-
-    def wait(self) -> None:
-        if self._queue:
-            PendingSend.combine(self._queue).wait()
-
-
-@dataclass
-class PendingRecv:
-    """A posted receive. :meth:`P2PCommunicator.receive` waits for it; ``tensors`` then holds
-    what arrived. An activation whose shape is not agreed yet holds its ``header`` receive
-    until then (its data receive goes out once the header is in)."""
-
-    request: RecvRequest
-    header: torch.Tensor | None = None
-    header_works: list[Work] = field(default_factory=list)
-    buffers: list[torch.Tensor] = field(default_factory=list)
-    works: list[Work] = field(default_factory=list)
-    is_tuple: bool = True
-    waited: float = 0.0
-    header_mark: torch.Tensor | None = None
-    marks: list[torch.Tensor | None] = field(default_factory=list)
-
-    @property
-    def tensors(self) -> tuple[torch.Tensor, ...]:
-        return tuple(self.buffers)
-
-    @property
-    def specs(self) -> list[Spec]:
-        return specs_of(self.buffers)
-
-    def describe(self, header: bool = False) -> str:
-        """``waiting for activation of mb=5 chunk=1 (stage 5) from rank 1`` (hang/abort text)."""
-        req = self.request
-        chunk = f" chunk={req.chunk}" if req.chunk is not None else ""
-        what = f"{_KIND[req.kind]} of mb={req.mb}{chunk} (stage {req.stage})"
-        if header:
-            what = f"the shape header of the {what}"
-        return f"waiting for {what} from rank {req.peer}"
-
-
-class _Op(NamedTuple):
-    """One point-to-point operation to post: a send (``send``) or a receive of ``tensor``
-    to/from global rank ``peer``."""
-
-    send: bool
-    tensor: torch.Tensor
-    peer: int
-    tag: int
-
-
-class _OpBatch:
-    """One batch of posts being built (:meth:`P2PCommunicator._post`): its ops and, per op,
-    the list its work goes to (a :class:`PendingSend`'s, or a receive's header or data works)."""
-
-    def __init__(self, group: dist.ProcessGroup | None) -> None:
-        self.group = group
-        self.ops: list[_Op] = []
-        self._sinks: list[list[Work]] = []
-
-    def add(self, send: bool, tensor: torch.Tensor, peer: int, tag: int, sink: list[Work]) -> None:
-        self.ops.append(_Op(send, tensor, peer, tag))
-        self._sinks.append(sink)
-
-    def assign(self, works: list[Work]) -> None:
-        if len(works) == len(self.ops):
-            for sink, work in zip(self._sinks, works):
-                sink.append(work)
-        else:  # coalesced backends (NCCL) return one work for the whole batch
-            for sink in self._sinks:
-                sink += works
 
 
 class P2PCommunicator:
@@ -327,7 +121,7 @@ class P2PCommunicator:
         monitor: abort channel and hang watchdog for every blocking wait (``None``: plain
             blocking waits, as torch does them).
         emulate_nccl: run the traffic under NCCL's matching, coalescing and stream rules on
-            gloo (a test harness: :mod:`lightning_pp.nccl_emulation`); ``None``: the
+            gloo (a test harness: :mod:`lightning_pp.runtime.nccl_emulation`); ``None``: the
             ``LIGHTNING_PP_EMULATE_NCCL`` environment variable decides.
     """
 
@@ -397,7 +191,7 @@ class P2PCommunicator:
 
     @property
     def ordered_posting(self) -> bool:
-        """Post in the schedule's global message order (:mod:`lightning_pp.p2p_order`): what
+        """Post in the schedule's global message order (:mod:`lightning_pp.runtime.p2p_order`): what
         NCCL's one stream per rank needs (gloo matches by tag and needs no order)."""
         return self.backend == "nccl" and self.topology.pp > 1
 
@@ -702,127 +496,3 @@ class P2PCommunicator:
         """A :class:`ReceiveWindow` over ``count`` actions (one step of one rank); ``order``:
         post in that global message order instead of ``lookahead`` actions ahead."""
         return ReceiveWindow(self, count, lookahead, needs, order)
-
-
-Needs = Callable[[int, bool], "list[RecvRequest] | None"]
-"""``needs(index, ahead)``: the receives action ``index`` needs; ``ahead`` says it is a later
-action than the next one, and ``None`` then means its receives cannot be stated yet (a gradient
-whose forward has not run has no shape)."""
-
-
-class ReceiveWindow:
-    """One step's receives, posted ahead in action order.
-
-    After action ``i`` the engine calls :meth:`exchange` with that action's messages: they go out
-    together with the receives of actions ``i+1 .. i+lookahead`` not posted yet. The next
-    action's receives always go out; later ones while ``needs`` can state them and the channel
-    allows (:meth:`P2PCommunicator.may_post_ahead`), stopping at the first that cannot (a
-    channel's receives must be posted in order). :meth:`wait` then hands over what an action
-    received.
-
-    Example (one rank's step)::
-
-        window = comm.receive_window(len(actions), 8, needs)
-        window.exchange([], after=-1)            # before the first action
-        for i, action in enumerate(actions):
-            received, waited = window.wait(i)
-            sent = window.exchange(compute(action, received), after=i)
-    """
-
-    def __init__(
-        self,
-        comm: P2PCommunicator,
-        count: int,
-        lookahead: int,
-        needs: Needs,
-        order: RankOrder | None = None,
-    ) -> None:
-        self.comm = comm
-        self.count = count
-        self.lookahead = lookahead
-        self.order = order
-        self._needs = needs
-        self._posted: dict[int, list[PendingRecv]] = {}
-        self.posted_after: dict[int, int] = {}  # action index -> index it was posted after
-        self._upto = -1  # the last action whose receives were posted
-        self._taken: set[int] = set()  # ordered posting: actions whose receives were posted
-        self.current: list[PendingRecv] = []  # the receives taken by the last wait()
-
-    def exchange(self, sends: Sequence[Message], *, after: int) -> PendingSend:
-        """Post ``sends`` (of action ``after``; ``-1`` before the first), then the receives of
-        the actions up to ``after + lookahead`` not posted yet."""
-        if self.order is not None:
-            return self._exchange_ordered(sends, after)
-        # The sends go out first, on their own: a neighbour may be blocked waiting for them, and
-        # stating the lookahead receives (and allocating their buffers) would delay its wake-up.
-        # gloo matches by tag, so a separate batch changes nothing else (NCCL posts in order,
-        # above).
-        sent = self.comm.exchange(sends, [])[0]
-        reqs: list[RecvRequest] = []
-        counts: list[tuple[int, int]] = []
-        j, last = self._upto + 1, min(after + self.lookahead, self.count - 1)
-        while j <= last:
-            ahead = j > after + 1
-            needs = self._needs(j, ahead)
-            if needs is None or (ahead and not all(map(self.comm.may_post_ahead, needs))):
-                break
-            reqs += needs
-            counts.append((j, len(needs)))
-            j += 1
-        _, pendings = self.comm.exchange([], reqs)
-        k = 0
-        for index, n in counts:
-            self._posted[index] = pendings[k : k + n]
-            k += n
-            if n:
-                self.posted_after[index] = after
-        self._upto = j - 1
-        return sent
-
-    def _exchange_ordered(self, sends: Sequence[Message], after: int) -> PendingSend:
-        """Ordered posting (NCCL): with ``sends`` go the receives of every later action whose
-        message comes before this rank's next send in the global order, in that order (and the
-        next action's, e.g. an in-process hand-over)."""
-        order = self.order
-        assert order is not None
-        bound = order.next_send(after)
-        chosen = []
-        for j in range(max(after + 1, 0), self.count):
-            if j in self._taken:
-                continue
-            number = order.recv[j]
-            if j == after + 1 or (number is not None and (bound is None or number < bound)):
-                chosen.append((-1 if number is None else number, j))
-        chosen.sort()
-        reqs: list[RecvRequest] = []
-        counts: list[tuple[int, int]] = []
-        for _, j in chosen:
-            needs = self._needs(j, j > after + 1)
-            if needs is None:
-                raise RuntimeError(
-                    f"rank {self.comm.topology.rank}: ordered posting: the receive of action "
-                    f"{j} is due after action {after} but its shape is not known yet"
-                )
-            reqs += needs
-            counts.append((j, len(needs)))
-        sent, pendings = self.comm.exchange_ordered(sends, reqs)
-        k = 0
-        for index, n in counts:
-            self._posted[index] = pendings[k : k + n]
-            self._taken.add(index)
-            k += n
-            if n:
-                self.posted_after[index] = after
-        return sent
-
-    def outstanding(self) -> list[PendingRecv]:
-        """Every receive posted and not yet consumed (a failed step's leftovers)."""
-        return self.current + [p for posted in self._posted.values() for p in posted]
-
-    def wait(self, index: int) -> tuple[list[PendingRecv], float]:
-        """Block until every receive of action ``index`` has arrived; returns them (``tensors``
-        holds the data) and the seconds spent blocked."""
-        pending = self.current = self._posted.pop(index)
-        for p in pending:
-            self.comm.receive(p)
-        return pending, sum(p.waited for p in pending)

@@ -33,7 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from .schedules import Op, Schedule
+from ..schedules import Op, Schedule
 
 __all__ = ["RankOrder", "message_order"]
 

@@ -1,6 +1,6 @@
 """The processes of a job: ending them together, printing a failure once, leaving on SIGTERM.
 
-Three pieces used by :class:`~lightning_pp.process_strategy.ProcessGroupStrategy`:
+Three pieces used by :class:`~lightning_pp.strategy.process_group.ProcessGroupStrategy`:
 
 * :class:`ChildSupervisor`: the launching process (local rank 0 under ``devices=N``) watches the
   ranks it started. When one exits with an error, the others get ``grace`` seconds to stop by
@@ -39,7 +39,8 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .failure import DEFAULT_EXIT_GRACE, PipelineAborted, PipelineHang
+from .errors import DEFAULT_EXIT_GRACE
+from .failure import PipelineAborted, PipelineHang
 
 __all__ = [
     "SIGTERM_EXIT_CODE",

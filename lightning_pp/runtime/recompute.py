@@ -4,12 +4,12 @@ A recomputed module keeps only its inputs during forward and runs its forward ag
 (non-reentrant ``torch.utils.checkpoint``). What to recompute (:func:`parse_recompute`):
 
 * ``None``: nothing (default);
-* ``"full"``: every pipeline layer (each layer of a :class:`~lightning_pp.partition.
+* ``"full"``: every pipeline layer (each layer of a :class:`~lightning_pp.layout.partition.
   PipelineChunk`; a chunk of another kind as one unit);
 * a list of layer indices (original indices, e.g. ``[0, 1, 5]``): those layers where held;
 * :class:`Selective` (a name pattern or predicate for modules INSIDE layers, e.g. only the
   attention: ``Selective("attn")``), also given as the string ``"selective:attn"``;
-* ``"auto"``: the planner (:mod:`lightning_pp.recompute_plan`) picks layers per rank from a
+* ``"auto"``: the planner (:mod:`lightning_pp.planner.recompute`) picks layers per rank from a
   memory budget; the engine then receives the chosen layer indices.
 
 How it is applied: :func:`install_recompute` replaces the ``forward`` of each selected module
@@ -34,7 +34,7 @@ checkpoint as separate tensor arguments and re-packed inside.
 Example:
     >>> import torch
     >>> from torch import nn
-    >>> from lightning_pp.partition import PipelineChunk
+    >>> from lightning_pp.layout.partition import PipelineChunk
     >>> chunk = PipelineChunk([nn.Linear(4, 4), nn.Tanh()], indices=[3, 4])
     >>> targets = install_recompute([chunk], [4])
     >>> [[name for name, _ in t] for t in targets]
@@ -46,8 +46,6 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import fnmatch
-import re
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextvars import ContextVar
@@ -58,122 +56,18 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint, get_device_states, set_device_states
 
+from ..layout.recompute_spec import Selective, parse_recompute
 from .saved_for_w import drop_unread_by_w, pinned_unpacks
 
 __all__ = [
     "RecomputeOnce",
-    "RecomputeSpec",
-    "Selective",
     "install_recompute",
     "install_targets",
     "layer_names",
-    "parse_bytes",
-    "parse_recompute",
     "recompute_active",
     "select_positions",
     "select_targets",
 ]
-
-
-@dataclass(frozen=True)
-class Selective:
-    """Recompute only the modules inside each pipeline layer whose name (relative to the layer,
-    e.g. ``"attn"``, ``"mlp.fc"``) matches ``pattern`` (``fnmatch``: ``"attn*"``, ``"*.drop"``),
-    or for which ``predicate(name, module)`` is true. A module inside one already selected is
-    not selected again (one checkpoint frame covers it).
-
-    Example:
-        >>> Selective("attn").matches("attn", nn.Identity())
-        True
-        >>> Selective(predicate=lambda n, m: isinstance(m, nn.Dropout)).matches("x", nn.Dropout())
-        True
-    """
-
-    pattern: str | None = None
-    predicate: Callable[[str, nn.Module], bool] | None = None
-
-    def __post_init__(self) -> None:
-        if (self.pattern is None) == (self.predicate is None):
-            raise ValueError("Selective needs exactly one of pattern= or predicate=")
-
-    def matches(self, name: str, module: nn.Module) -> bool:
-        if self.predicate is not None:
-            return bool(self.predicate(name, module))
-        assert self.pattern is not None
-        return fnmatch.fnmatchcase(name, self.pattern)
-
-
-RecomputeSpec = None | str | Sequence[int] | Selective
-"""What to recompute: ``None``, ``"full"``, ``"auto"``, ``"selective:<pattern>"``, layer indices,
-or a :class:`Selective`."""
-
-
-def parse_recompute(
-    value: Any, *, key: str = "recompute"
-) -> None | str | tuple[int, ...] | Selective:
-    """Validate a recompute setting; the normal form is ``None``, ``"full"``, ``"auto"``, a sorted
-    tuple of layer indices, or a :class:`Selective`. Errors name ``key``.
-
-    Example:
-        >>> parse_recompute("selective:attn")
-        Selective(pattern='attn', predicate=None)
-        >>> parse_recompute([3, 1])
-        (1, 3)
-    """
-    if value is None or isinstance(value, Selective):
-        return value
-    if isinstance(value, str):
-        v = value.strip()
-        if v.lower() in ("none", "null", ""):
-            return None
-        if v in ("full", "auto"):
-            return v
-        if v.startswith("selective:") and v[len("selective:") :]:
-            return Selective(v[len("selective:") :])
-        raise ValueError(
-            f"{key}={value!r} is not valid: use None, 'full', 'auto', 'selective:<module name "
-            f"pattern>' (e.g. 'selective:attn'), or a list of layer indices"
-        )
-    if isinstance(value, Sequence) and all(
-        isinstance(i, int) and not isinstance(i, bool) for i in value
-    ):
-        bad = [i for i in value if i < 0]
-        if bad:
-            raise ValueError(f"{key}: layer indices must be >= 0, got {bad}")
-        return tuple(sorted(set(value)))
-    raise ValueError(
-        f"{key} must be None, 'full', 'auto', 'selective:<pattern>', a list of layer indices or "
-        f"a Selective, got {type(value).__name__} {value!r}"
-    )
-
-
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
-_UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
-
-
-def parse_bytes(value: Any, *, key: str = "activation_budget") -> int:
-    """Bytes from an int or a string such as ``"6GiB"``, ``"512 MiB"``, ``"1.5e9"``.
-
-    >>> parse_bytes("6GiB"), parse_bytes(1024), parse_bytes("1.5 kB")
-    (6442450944, 1024, 1500)
-    """
-    if isinstance(value, bool):
-        raise ValueError(f"{key} must be a byte count or a string like '6GiB', got {value!r}")
-    if isinstance(value, (int, float)):
-        n = value
-    elif isinstance(value, str):
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", value)
-        if m is None or m.group(2).lower() not in _UNITS:
-            raise ValueError(
-                f"{key}={value!r} is not a size: use bytes (e.g. 6442450944) or a number with "
-                f"a unit among B, kB, MB, GB, KiB, MiB, GiB, TiB (e.g. '6GiB')"
-            )
-        n = float(m.group(1)) * _UNITS[m.group(2).lower()]
-    else:
-        raise ValueError(f"{key} must be a byte count or a string like '6GiB', got {value!r}")
-    if n <= 0:
-        raise ValueError(f"{key} must be positive, got {value!r}")
-    return int(n)
 
 
 # -- the targets ---------------------------------------------------------------------------
@@ -195,7 +89,7 @@ def select_targets(chunks: Sequence[nn.Module], spec: Any) -> Targets:
     if spec == "auto":
         raise ValueError(
             "recompute='auto' must be resolved to layer indices by the planner "
-            "(lightning_pp.recompute_plan) before the engine applies it"
+            "(lightning_pp.planner.recompute) before the engine applies it"
         )
     out: Targets = []
     for chunk in chunks:
@@ -461,7 +355,7 @@ class RecomputeOnce:
                 "recomputed (was it unpacked after its graph was freed?)"
             )
         # Which node unpacks it: trim() keeps, after I, only what W's nodes will unpack again.
-        # By id: see lightning_pp.saved_for_w (a node object here would make a cycle through
+        # By id: see lightning_pp.runtime.saved_for_w (a node object here would make a cycle through
         # the graph that outlives W).
         node = torch._C._current_autograd_node()
         if node is not None:
@@ -471,7 +365,7 @@ class RecomputeOnce:
     def trim(self, weight_nodes: set[Any]) -> int:
         """After ``I``: drop each recomputed tensor that only nodes ``W`` will not run have
         unpacked (``weight_nodes``: :meth:`WeightWork.nodes
-        <lightning_pp.split_backward.WeightWork.nodes>`). A Linear's backward runs in both
+        <lightning_pp.runtime.split_backward.WeightWork.nodes>`). A Linear's backward runs in both
         ``I`` and ``W`` and keeps its input; an activation's (GELU, softmax, dropout) runs only
         in ``I``, so what it saved is freed here rather than held until ``W``. A tensor no node
         unpacked yet (one a weight-only node below the input path saved) is kept. Should ``W``

@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from .schedules import Action, Schedule
+from ..schedules import Action, Schedule
 
 __all__ = ["StepEvent", "StepRecord", "StepRecorder"]
 

@@ -4,7 +4,7 @@ A zero-bubble schedule runs ``I`` (input gradient) now and ``W`` (weight gradien
 the graph retained in between. Autograd would keep everything the forward saved until ``W``;
 but ``W`` runs only the nodes that lead to weights (a Linear's ``AddmmBackward``, a
 ``NativeLayerNormBackward``: :meth:`WeightWork.nodes
-<lightning_pp.split_backward.WeightWork.nodes>`), so what only input-path nodes read (a
+<lightning_pp.runtime.split_backward.WeightWork.nodes>`), so what only input-path nodes read (a
 GELU's input, attention probabilities, dropout masks) is dead once ``I`` is done. On the
 transformer block of ``benchmarks/`` that is about 40 % of a microbatch's saved bytes, held for
 every microbatch whose ``W`` lags behind its ``I`` (zb-h1's last rank: up to pp of them).
@@ -13,7 +13,8 @@ How: during the chunk's forward, ``saved_tensors_hooks`` put each saved tensor i
 :class:`_Held` (what autograd stores instead); its unpack notes the node that unpacked it
 (``torch._C._current_autograd_node()``, by ``id``: a node object held here would make a
 cycle through the graph's saved variables that outlives ``W``; the ids are unique while ``I``
-runs because the :class:`~lightning_pp.split_backward.WeightWork` holds every node of the graph
+runs because the :class:`~lightning_pp.runtime.split_backward.WeightWork` holds every node of the
+graph
 until ``W``). After ``I``, :meth:`SavedForW.trim` empties each
 holder that only nodes outside ``W`` unpacked. A holder no node unpacked yet (saved by a
 weight-only node below the input path) is kept. Holders are referenced weakly here, so a graph
@@ -21,7 +22,7 @@ freed by a fused backward frees them too.
 
 Example:
     >>> import torch
-    >>> from lightning_pp.split_backward import backward_input
+    >>> from lightning_pp.runtime.split_backward import backward_input
     >>> lin = torch.nn.Linear(4, 4)
     >>> x = torch.randn(2, 4, requires_grad=True)
     >>> kept = SavedForW()
@@ -52,7 +53,7 @@ _pinning = [0]
 def pinned_unpacks() -> Iterator[None]:
     """Unpacks inside this block pin their holder (never trimmed): a recomputed region reads
     its saved inputs from inside ``I`` (while some input-path node runs), yet needs them again
-    when ``W`` recomputes (:class:`~lightning_pp.recompute.RecomputeOnce`)."""
+    when ``W`` recomputes (:class:`~lightning_pp.runtime.recompute.RecomputeOnce`)."""
     _pinning[0] += 1
     try:
         yield

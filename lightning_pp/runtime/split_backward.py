@@ -29,9 +29,10 @@ How (:func:`backward_input`, then :meth:`WeightWork.run`):
 4. With ``free_graph=True``, where every group is one Linear, LayerNorm or parameter scale
    (an RMSNorm's) on the input path,
    ``I`` first captures what their weight gradients read
-   (:func:`~lightning_pp.weight_grad_direct.capture`) and then runs with the graph freed as it
+   (:func:`~lightning_pp.runtime.weight_grad_direct.capture`) and then runs with the graph freed as
+   it
    goes, as a fused backward does; ``W`` computes those gradients directly, with the engine's
-   own operators and no engine call (:mod:`~lightning_pp.weight_grad_direct`).
+   own operators and no engine call (:mod:`~lightning_pp.runtime.weight_grad_direct`).
 
 Falls back to one fused backward in ``I`` (and a no-op ``W``) where splitting would not pay or
 could be wrong: an intermediate that is a custom :class:`torch.autograd.Function` (its backward
@@ -86,7 +87,8 @@ run time); without it, a Function at an intermediate makes that microbatch's bac
 
 DIRECT_WEIGHT_GRADS = True
 """Whether ``backward_input(free_graph=True)`` may free the graph at ``I`` and compute a Linear's
-or a LayerNorm's weight gradients directly in ``W`` (:mod:`~lightning_pp.weight_grad_direct`:
+or a LayerNorm's weight gradients directly in ``W``
+(:mod:`~lightning_pp.runtime.weight_grad_direct`:
 the same operators, no engine call per layer). Off only to measure the difference; a retained
 graph's ``W`` always runs the engine (measured: computing its layers directly saved nothing
 there, the engine's calls free what each layer saved as they go)."""
@@ -149,7 +151,7 @@ class WeightWork:
     def nodes(self) -> set[Node]:
         """The nodes :meth:`run` will execute (empty once run, or with nothing to run): a
         saved tensor that only other nodes unpack can be freed now (what
-        :meth:`RecomputeOnce.trim <lightning_pp.recompute.RecomputeOnce.trim>` does). A
+        :meth:`RecomputeOnce.trim <lightning_pp.runtime.recompute.RecomputeOnce.trim>` does). A
         superset where some intermediate got no gradient in ``I`` (never fewer: the trim
         must not free what ``W`` reads)."""
         if self.graph_nodes is None or not self.groups:
@@ -324,14 +326,14 @@ class _Plan:
     weights. ``run``: the nodes ``W``'s engine calls execute when every root has a gradient.
     ``retain``: per group, whether a node its call runs runs in another group's call too.
     ``captures``: per group, ``(kind, weight, bias)`` where the group is one intermediate of a
-    :data:`~lightning_pp.weight_grad_direct.DIRECT_KINDS` type whose weights sit at the
+    :data:`~lightning_pp.runtime.weight_grad_direct.DIRECT_KINDS` type whose weights sit at the
     accumulator positions ``weight`` and ``bias``
-    (:func:`~lightning_pp.weight_grad_direct.weight_slots`), ``None`` otherwise. Only an
+    (:func:`~lightning_pp.runtime.weight_grad_direct.weight_slots`), ``None`` otherwise. Only an
     intermediate: any weight below its input edge would belong to another intermediate of the
     same group, so its weight edges reach all the group's weights; a root off the input path
     (the first stage's) reaches more weights through its input edge too. ``all_direct``: every
     group has one and no output starts ``W`` off the input path, so ``W`` can run from what
-    :func:`~lightning_pp.weight_grad_direct.capture` keeps, without the graph.
+    :func:`~lightning_pp.runtime.weight_grad_direct.capture` keeps, without the graph.
     """
 
     reason: str = ""
@@ -516,7 +518,8 @@ def backward_input(
     (or the scaled loss) and ``grads`` their gradients.
 
     ``free_graph``: where every layer ``W`` would run is a Linear or a LayerNorm on the input
-    path (:mod:`~lightning_pp.weight_grad_direct`), keep just what their weight gradients read
+    path (:mod:`~lightning_pp.runtime.weight_grad_direct`), keep just what their weight gradients
+    read
     (each one's input, a norm's statistics, the gradient into it) and let ``I`` free the graph
     as it runs, as a fused backward does: nothing else the forward saved outlives ``I``, and
     ``W`` makes no engine call. Off for a graph whose saved tensors must stay readable after

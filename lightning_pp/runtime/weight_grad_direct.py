@@ -209,7 +209,7 @@ class DirectJob:
     ``run(g)`` accumulates the weight gradients for the gradient ``g`` that flowed into the
     node. Built by :func:`capture`; the node itself is not kept, so a job outlives its graph
     (what lets ``I`` free the graph as it goes: ``backward_input(free_graph=True)`` in
-    :mod:`lightning_pp.split_backward`).
+    :mod:`lightning_pp.runtime.split_backward`).
     """
 
     __slots__ = ("bias", "kind", "saved", "weight")

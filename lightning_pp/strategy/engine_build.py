@@ -1,100 +1,124 @@
-"""The :class:`~lightning_pp.engine.PipelineEngine` of a :class:`~lightning_pp.strategy.
-PipelineStrategy`, built from the strategy's settings at setup, and the run's start log.
+"""This rank's :class:`~lightning_pp.runtime.engine.PipelineEngine`, built at setup from the
+strategy's settings and the module's hooks, and the run's start log.
 
 The engine knows no Lightning; this is where the module's hooks become the engine's plain
 callables. ``pipeline_input`` and ``pipeline_loss`` run inside the schedule on one stage, once per
 microbatch, so a ``self.log`` there is refused with an error naming the hook
-(:mod:`lightning_pp.stage_logging` says why).
+(:mod:`lightning_pp.strategy.stage_logging` says why).
 
 Example::
 
-    strategy.grad_sync = build_grad_sync(strategy)   # at the end of PipelineStrategy.setup
-    strategy.engine = build_engine(strategy)
-    if strategy.is_global_zero:
-        log_start(strategy)
+    grad_sync = build_grad_sync(chunks, layout, bucket_cap_mb=25.0)
+    io = module_io(module, layout.need_topology().rank, loss_scale)
+    engine = build_engine(chunks, layout, io, grad_sync, device=device)
+    log_start(layout.need_plan(), engine, grad_sync, bucket_cap_mb=25.0)
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from torch import Tensor
+import torch
+from torch import Tensor, nn
 
-from .grad_sync import DeferredGradSync
+from ..layout.plan import PipelinePlan
+from ..layout.rank_layout import RankLayout
+from ..runtime.grad_sync import DeferredGradSync
 from .stage_logging import refuse_logs
 
 if TYPE_CHECKING:
-    from .engine import PipelineEngine
-    from .strategy import PipelineStrategy
+    from ..runtime.engine import PipelineEngine
 
-__all__ = ["build_engine", "build_grad_sync", "log_start"]
+__all__ = ["LossScale", "build_engine", "build_grad_sync", "log_start", "module_io"]
 
 #: the strategy's logger: the start log reads as the strategy's, as it always has
 log = logging.getLogger("lightning_pp.strategy")
 
 
-def build_grad_sync(strategy: PipelineStrategy) -> DeferredGradSync:
-    """The deferred data-parallel all-reduce of this rank's chunks' gradients (the engine fires
-    a chunk's buckets after its last backward)."""
-    assert strategy.topology is not None and strategy.groups is not None
-    return DeferredGradSync(
-        [list(c.parameters()) for c in strategy.chunks],
-        strategy.groups.dp_group,
-        strategy.topology.dp,
-        strategy.bucket_cap_mb,
-    )
+@dataclass
+class LossScale:
+    """The divisor of the running step's microbatch losses: ``accumulate_grad_batches`` while a
+    training step runs (as Lightning divides a plain step's loss under accumulation), else 1.
+    The training step sets it; the engine's loss function reads it."""
+
+    value: int = 1
 
 
-def build_engine(strategy: PipelineStrategy) -> PipelineEngine:
-    """This rank's engine over ``strategy.chunks``, with the module's input and loss hooks (or
-    the ``split=`` path's), the deferred gradient sync and the strategy's engine settings."""
-    from .engine import PipelineEngine  # late import: the engine loads torch.distributed bits
-
-    module: Any = strategy.lightning_module
-    assert strategy.grad_sync is not None and strategy.plan is not None
-    assert strategy.topology is not None and strategy.groups is not None
-    rank = strategy.global_rank
+def module_io(module: Any, rank: int, loss_scale: LossScale) -> dict[str, Any]:
+    """The engine's ``input_fn`` and ``loss_fn`` from the module's ``pipeline_input`` and
+    ``pipeline_loss`` (a ``self.log`` inside either is refused, naming the hook)."""
 
     def loss_fn(output: Any, microbatch: Any) -> Tensor:
         with refuse_logs(module, "pipeline_loss", rank):
-            # Divided like Lightning divides a plain step's loss under gradient accumulation.
-            return module.pipeline_loss(output, microbatch) / strategy._loss_scale
+            return module.pipeline_loss(output, microbatch) / loss_scale.value
 
     def input_fn(microbatch: Any) -> Any:
         with refuse_logs(module, "pipeline_input", rank):
             return module.pipeline_input(microbatch)
 
-    if strategy.split_pipeline is not None:
-        io: dict[str, Any] = strategy.split_pipeline.engine_kwargs(strategy)
-    else:
-        io = {"loss_fn": loss_fn, "input_fn": input_fn}
-    return PipelineEngine(
-        strategy.chunks,
-        strategy.plan.schedule,
-        strategy.topology,
-        strategy.groups,
-        **io,
-        loss_reduction="mean",
-        release_outputs=strategy.release_outputs,
-        on_chunk_grads_ready=strategy.grad_sync.on_chunk_grads_ready,
-        device=strategy.root_device,
-        watchdog_timeout=strategy.watchdog_timeout,
-        check_finite=strategy.check_finite,
-        recv_lookahead=strategy.recv_lookahead,
-        # "auto" is planned on the first batch (PipelineStrategy.training_step)
-        recompute=None if strategy.recompute == "auto" else strategy.recompute,
+    return {"loss_fn": loss_fn, "input_fn": input_fn}
+
+
+def build_grad_sync(
+    chunks: Sequence[nn.Module], layout: RankLayout, bucket_cap_mb: float
+) -> DeferredGradSync:
+    """The deferred data-parallel all-reduce of this rank's chunks' gradients (the engine fires
+    a chunk's buckets after its last backward)."""
+    return DeferredGradSync(
+        [list(c.parameters()) for c in chunks],
+        layout.need_groups().dp_group,
+        layout.need_topology().dp,
+        bucket_cap_mb,
     )
 
 
-def log_start(strategy: PipelineStrategy) -> None:
+def build_engine(
+    chunks: Sequence[nn.Module],
+    layout: RankLayout,
+    io: dict[str, Any],
+    grad_sync: DeferredGradSync,
+    *,
+    device: torch.device,
+    release_outputs: bool = True,
+    watchdog_timeout: float | None = None,
+    check_finite: bool = False,
+    recv_lookahead: int | None = None,
+    recompute: Any = None,
+) -> PipelineEngine:
+    """This rank's engine over ``chunks`` with the module's input and loss (``io``: see
+    :func:`module_io`, or the ``split=`` path's), the deferred gradient sync and the settings.
+    ``recompute="auto"`` is planned on the first batch (the training step), so it starts off."""
+    from ..runtime.engine import PipelineEngine  # late import: the engine loads torch.distributed
+
+    return PipelineEngine(
+        list(chunks),
+        layout.need_plan().schedule,
+        layout.need_topology(),
+        layout.need_groups(),
+        **io,
+        loss_reduction="mean",
+        release_outputs=release_outputs,
+        on_chunk_grads_ready=grad_sync.on_chunk_grads_ready,
+        device=device,
+        watchdog_timeout=watchdog_timeout,
+        check_finite=check_finite,
+        recv_lookahead=recv_lookahead,
+        recompute=None if recompute == "auto" else recompute,
+    )
+
+
+def log_start(
+    plan: PipelinePlan, engine: PipelineEngine, grad_sync: DeferredGradSync, bucket_cap_mb: float
+) -> None:
     """Say the run's decisions once (global rank 0): shape, placement, partition per rank,
     schedule, and what the engine resolved for the transfers."""
-    assert strategy.plan is not None and strategy.grad_sync is not None
-    for line in strategy.plan.describe():
+    for line in plan.describe():
         log.info(line)
     log.info(
-        f"engine: receive lookahead {strategy.engine.recv_lookahead} action(s); data-parallel "
-        f"all-reduce in buckets of {strategy.bucket_cap_mb:g} MB "
-        f"({strategy.grad_sync.num_buckets} on rank 0, dp={strategy.dp})"
+        f"engine: receive lookahead {engine.recv_lookahead} action(s); data-parallel "
+        f"all-reduce in buckets of {bucket_cap_mb:g} MB "
+        f"({grad_sync.num_buckets} on rank 0, dp={plan.dp})"
     )

@@ -8,31 +8,38 @@ If that user hook raises on the last stage, the failure travels in place of the 
 other ranks stop with ``PipelineAborted`` instead of waiting in the broadcast.
 
 The strategy's ``validation_step``/``test_step``/``predict_step`` hooks call :func:`step`, which
-picks :func:`evaluate` or :func:`predict`, or, for the ``split=`` path
-(:mod:`lightning_pp.autosplit.strategy_glue`), the module's own hook through :func:`forward_only`.
+picks :func:`evaluate` or :func:`predict`; the ``split=`` path
+(:mod:`lightning_pp.strategy.split_build`) runs the module's own hook through
+:func:`forward_only`.
 
 Example::
 
-    values = evaluate(strategy, batch, "val", strategy.precision_plugin.val_step_context)
+    run = ForwardOnly(engine, layout, module, collectives=strategy, device=device)
+    values = evaluate(run, batch, "val", precision_plugin.val_step_context)
     # {"val_loss": tensor(...)} on every rank of the pipeline, logged on every rank
-    values = step(strategy, "validation_step", (batch, batch_idx), {})   # the same, from the hook
+    values = step(run, "validation_step", (batch, batch_idx), precision_plugin)  # from the hook
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
-from .failure import PipelineAborted
+from ..runtime.failure import PipelineAborted
+from ..runtime.microbatch import batch_size_or_none
 from .stage_logging import LogCall, capture_logs, replay_logs
 
 if TYPE_CHECKING:
-    from .strategy import PipelineStrategy
+    from ..layout.rank_layout import RankLayout
+    from ..runtime.engine import PipelineEngine
+    from ..runtime.records import StepRecord
+    from .collectives import Collectives
 
-__all__ = ["concat_outputs", "evaluate", "forward_only", "predict", "step", "to_cpu"]
+__all__ = ["ForwardOnly", "concat_outputs", "evaluate", "forward_only", "predict", "step", "to_cpu"]
 
 #: each forward-only Lightning hook: the precision plugin's context for it, and its data split
 _HOOKS = {
@@ -42,24 +49,39 @@ _HOOKS = {
 }
 
 
-def step(strategy: PipelineStrategy, hook: str, args: Sequence[Any], kwargs: dict) -> Any:
-    """The strategy's ``hook`` (``validation_step``, ``test_step`` or ``predict_step``): the
-    ``split=`` path runs the module's own hook on every stage; otherwise :func:`evaluate` the
-    batch (``args[0]``) on the hook's data split, or :func:`predict` it."""
-    context_name, split = _HOOKS[hook]
-    context = getattr(strategy.precision_plugin, context_name)
-    if strategy.split_pipeline is not None:
-        predicting = hook == "predict_step"
-        return strategy.split_pipeline.forward_only(
-            strategy, hook, args, kwargs, context, predict=predicting
-        )
-    if split is None:
-        return predict(strategy, args[0], context)
-    return evaluate(strategy, args[0], split, context)
+@dataclass
+class ForwardOnly:
+    """What a forward-only step runs on: this rank's engine and layout, the module whose hooks
+    it calls, the collectives that bring the last stage's result to every rank and the device
+    results live on. ``record`` is the engine's record of the last step run."""
+
+    engine: PipelineEngine
+    layout: RankLayout
+    module: Any
+    collectives: Collectives
+    device: torch.device
+    record: StepRecord | None = None
+
+
+def hook_context(hook: str, precision_plugin: Any) -> Callable:
+    """The precision plugin's context for a forward-only ``hook`` (``val_step_context``, ...)."""
+    return getattr(precision_plugin, _HOOKS[hook][0])
+
+
+def step(run: ForwardOnly, hook: str, args: Sequence[Any], precision_plugin: Any) -> Any:
+    """The strategy's ``hook`` (``validation_step``, ``test_step`` or ``predict_step``) for a
+    module with ``PipelineLayers``: :func:`evaluate` the batch (``args[0]``) on the hook's data
+    split, or :func:`predict` it. (The ``split=`` path runs the module's own hook instead:
+    :meth:`~lightning_pp.strategy.split_build.SplitPipeline.forward_only`.)"""
+    context = hook_context(hook, precision_plugin)
+    data_split = _HOOKS[hook][1]
+    if data_split is None:
+        return predict(run, args[0], context)
+    return evaluate(run, args[0], data_split, context)
 
 
 def forward_only(
-    strategy: PipelineStrategy,
+    run: ForwardOnly,
     batch: Any,
     context: Callable,
     on_output: Callable[[Any], Any],
@@ -71,11 +93,11 @@ def forward_only(
     If ``on_output`` (the user's ``hook``) raises there, the other ranks, waiting in the
     broadcast, receive the failure instead of a value and stop with ``PipelineAborted``:
     one stage's error must not leave the others blocked in a collective."""
-    topo, groups, placement = strategy.topology, strategy.groups, strategy.placement
-    assert topo is not None and groups is not None and placement
+    topo, groups = run.layout.need_topology(), run.layout.need_groups()
+    placement = run.layout.need_placement()
     with context():
-        result = strategy.engine.eval_step(batch, collect_outputs=True)
-    strategy.last_record = result.record
+        result = run.engine.eval_step(batch, collect_outputs=True)
+    run.record = result.record
     last = placement.output_rank
     src = topo.global_rank(last)
     payload: list[Any] = [None]
@@ -84,16 +106,16 @@ def forward_only(
         try:
             payload = [(True, on_output(concat_outputs(result.outputs)))]
         except Exception as e:
-            if strategy.pp == 1:
+            if topo.pp == 1:
                 raise
             error, payload = e, [(False, {"type": type(e).__name__, "message": str(e)})]
-    if strategy.pp > 1:
-        payload = [strategy.broadcast_object(payload[0], src, groups.pp_group, "outputs")]
+    if topo.pp > 1:
+        payload = [run.collectives.broadcast_object(payload[0], src, groups.pp_group, "outputs")]
     ok, value = payload[0]
     if error is not None:
         raise error
     if not ok:
-        rank = strategy.global_rank
+        rank = topo.rank
         origin = {"rank": src, "where": hook, **value}
         raise PipelineAborted(
             f"rank {rank}: stopped because rank {src} (last stage) failed in "
@@ -105,43 +127,38 @@ def forward_only(
     return value
 
 
-def evaluate(
-    strategy: PipelineStrategy, batch: Any, split: str, context: Callable
-) -> dict[str, Tensor]:
+def evaluate(run: ForwardOnly, batch: Any, split: str, context: Callable) -> dict[str, Tensor]:
     """``pipeline_eval_step`` on the last stage, averaged over replicas, logged everywhere."""
-    assert strategy.plan is not None
-    strategy.plan.check_batch_of(batch, strategy.global_rank)
-    module: Any = strategy.lightning_module
-    topo, groups = strategy.topology, strategy.groups
-    assert topo is not None and groups is not None
+    topo, groups = run.layout.need_topology(), run.layout.need_groups()
+    run.layout.need_plan().check_batch_on_rank(batch_size_or_none(batch), topo.rank)
+    module = run.module
 
     def metrics(output: Any) -> tuple[list[str], Tensor, list[LogCall]]:
         # What the hook self.log()s is captured here and replayed on every rank below.
-        with context(), capture_logs(module, "pipeline_eval_step", strategy.global_rank) as logs:
+        with context(), capture_logs(module, "pipeline_eval_step", topo.rank) as logs:
             values = module.pipeline_eval_step(output, batch, split)
         stacked = torch.stack([torch.as_tensor(v).detach().float() for v in values.values()])
         if topo.dp > 1:  # average over replicas (each saw a different shard)
-            strategy.all_reduce(stacked, group=groups.dp_group, what="the eval metrics")
+            run.collectives.all_reduce(stacked, group=groups.dp_group, what="the eval metrics")
             stacked = stacked / topo.dp
         return list(values), stacked.cpu(), logs
 
-    names, stacked, logs = forward_only(strategy, batch, context, metrics, "pipeline_eval_step")
-    values = {n: stacked[i].to(strategy.root_device) for i, n in enumerate(names)}
+    names, stacked, logs = forward_only(run, batch, context, metrics, "pipeline_eval_step")
+    values = {n: stacked[i].to(run.device) for i, n in enumerate(names)}
     module.pipeline_log_eval(values, split)
-    replay_logs(module, logs, groups.dp_group, strategy.root_device)
+    replay_logs(module, logs, groups.dp_group, run.device)
     return values
 
 
-def predict(
-    strategy: PipelineStrategy, batch: Any, context: Callable, hook: str = "predict_step"
-) -> Any:
+def predict(run: ForwardOnly, batch: Any, context: Callable, hook: str = "predict_step") -> Any:
     """The batch's output (microbatches concatenated) on every rank of the pipeline; sent to the
     other ranks on the CPU (``pp > 1``)."""
+    pp = run.layout.need_topology().pp
 
     def output(out: Any) -> Any:
-        return to_cpu(out) if strategy.pp > 1 else out
+        return to_cpu(out) if pp > 1 else out
 
-    return forward_only(strategy, batch, context, output, hook)
+    return forward_only(run, batch, context, output, hook)
 
 
 def concat_outputs(outputs: Sequence[Any]) -> Any:

@@ -24,6 +24,8 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
+from ..layout.placement import layer_of, split_layer_name
+
 __all__ = [
     "LayerSelector",
     "PipelineLayers",
@@ -89,24 +91,6 @@ def _forked_rng(seed: int) -> Iterator[None]:
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
         yield
-
-
-def _split_name(name: str) -> tuple[int, str]:
-    head, _, rest = name.partition(".")
-    if not head.isdigit() or not rest:
-        raise ValueError(
-            f"tied parameter name {name!r} must start with a layer index, e.g. '0.wte.weight'"
-        )
-    return int(head), rest
-
-
-def layer_of(name: str) -> int:
-    """The layer index a parameter name relative to :class:`PipelineLayers` starts with.
-
-    >>> layer_of("5.head.weight")
-    5
-    """
-    return _split_name(name)[0]
 
 
 def partition_weights(
@@ -195,7 +179,7 @@ class PipelineLayers(nn.Module):
             if len(group) < 2:
                 raise ValueError(f"a tied group needs at least two names, got {group!r}")
             for name in group:
-                index, _ = _split_name(name)
+                index, _ = split_layer_name(name)
                 if not 0 <= index < len(self._builders):
                     raise ValueError(
                         f"tied parameter {name!r} names layer {index}, but there are "
@@ -251,7 +235,7 @@ class PipelineLayers(nn.Module):
 
     def _tie_local(self) -> None:
         for group in self.tied:
-            present = [n for n in group if _split_name(n)[0] in self]
+            present = [n for n in group if split_layer_name(n)[0] in self]
             if len(present) < 2:
                 continue
             owner = self.get_parameter(present[0])

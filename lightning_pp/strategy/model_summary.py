@@ -31,10 +31,12 @@ from lightning.pytorch.callbacks import Callback, ModelSummary
 from lightning.pytorch.utilities.model_summary import get_human_readable_count, summarize
 from typing_extensions import override
 
-from . import _lightning_compat as compat
+from .. import _lightning_compat as compat
 
 if TYPE_CHECKING:
-    from .strategy import PipelineStrategy
+    from ..layout.rank_layout import RankLayout
+    from ..runtime.grad_sync import TiedParameterSync
+    from .collectives import Collectives
 
 __all__ = [
     "PipelineSummary",
@@ -174,22 +176,27 @@ def use_pipeline_summaries(
             callbacks[i] = with_pipeline_summary(callback, gather, info)
 
 
-def use_stage_summaries(strategy: PipelineStrategy, callbacks: list[Callback]) -> None:
-    """:func:`use_pipeline_summaries` for ``strategy`` (at fit start): this rank's line names
-    its virtual stages and the size of its tied copies; the summaries are gathered over its
-    pipeline group."""
-    plan, topo, groups = strategy.plan, strategy.topology, strategy.groups
-    assert plan is not None and topo is not None and groups is not None
+def use_stage_summaries(
+    callbacks: list[Callback],
+    layout: RankLayout,
+    module: Any,
+    tied_sync: TiedParameterSync,
+    collectives: Collectives,
+) -> None:
+    """:func:`use_pipeline_summaries` for this rank (at fit start): its line names its virtual
+    stages and the size of its tied copies; the summaries are gathered over its pipeline
+    group."""
+    plan, topo, groups = layout.need_plan(), layout.need_topology(), layout.need_groups()
     stages = plan.schedule.stages_of(topo.pp_rank)
-    copies = strategy.tied_sync.non_owner_params()
-    tied = sum(p.numel() for p in strategy.lightning_module.parameters() if id(p) in copies)
+    copies = tied_sync.non_owner_params()
+    tied = sum(p.numel() for p in module.parameters() if id(p) in copies)
 
     def gather(obj: Any) -> list[Any]:
         # One watched broadcast per stage (runs once, at fit start): all_gather_object has no
         # async_op, so it could not honour the watchdog.
         what = "the model summary"
-        ranks = [topo.global_rank(r) for r in range(strategy.pp)]
-        return [strategy.broadcast_object(obj, src, groups.pp_group, what) for src in ranks]
+        ranks = [topo.global_rank(r) for r in range(topo.pp)]
+        return [collectives.broadcast_object(obj, src, groups.pp_group, what) for src in ranks]
 
     use_pipeline_summaries(callbacks, gather, StageInfo(",".join(map(str, stages)), tied))
 

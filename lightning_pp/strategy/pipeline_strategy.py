@@ -3,17 +3,19 @@
 Glue only: it decides *when* Lightning's hooks run and hands the work to its collaborators
 (arrows point at what it calls; docs/strategy.md draws the whole picture)::
 
-    PipelineStrategy -> PipelinePlan    every default and validity rule, with its message
-                     -> LayerPlacement  which rank holds which layers and tied weights
+    PipelineStrategy -> RankLayout      the plan (every rule), the grid, the placement
                      -> LayerBuild      builds and stages this rank's layers (stage_build;
                                         SplitPipeline for split=)
                      -> engine_build    the engine and the DP gradient sync from the settings
-                     -> train_step      the training step, and the Trainer setup it needs
-                                        (no second backward; global-norm clipping)
-                     -> eval_step       validation, test and predict: one forward-only path
+                     -> TrainStep       the training step (train_step): no second backward,
+                                        the loss log, recompute="auto" on the first batch
+                     -> ForwardOnly     validation, test and predict: one forward-only path
                      -> compat          every private Lightning contact (_lightning_compat)
-                     -> checkpoint      sharded save / load bodies
+                     -> checkpoint      sharded save / load by name (lightning_pp.checkpoint)
                      -> PipelineEngine  runs this rank's schedule (no Lightning inside)
+
+Each collaborator receives the objects it needs (the layout, the engine, the module, the
+strategy as :class:`~lightning_pp.strategy.collectives.Collectives`), never the strategy itself.
 
 Example::
 
@@ -33,31 +35,38 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import StrategyRegistry
-from torch import Tensor
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from . import _lightning_compat as compat
-from . import eval_step, train_step
-from .autosplit.strategy_glue import SplitPipeline
-from .checkpoint import (
-    load_strategy_checkpoint,
+from .. import _lightning_compat as compat
+from ..checkpoint.sharded import (
+    load_pipeline_checkpoint,
+    module_optimizer_state,
     remove_checkpoint_dir,
-    save_strategy_checkpoint,
-    strategy_optimizer_state,
+    save_pipeline_checkpoint,
 )
-from .engine_build import build_engine, build_grad_sync, log_start
-from .failure import DEFAULT_WATCHDOG_TIMEOUT, PipelineAborted, report_failure
-from .grad_sync import DeferredGradSync, TiedParameterSync
-from .partition import PipelineChunk
-from .placement import LayerPlacement
-from .plan import PipelinePlan, check_recompute, check_settings, default_schedule
-from .process_strategy import ProcessGroupStrategy, StartMethod
-from .recompute import RecomputeSpec
+from ..layout.partition import PipelineChunk
+from ..layout.placement import LayerPlacement
+from ..layout.plan import PipelinePlan
+from ..layout.rank_layout import RankLayout
+from ..layout.recompute_spec import RecomputeSpec, check_recompute
+from ..layout.rules import check_settings, default_schedule
+from ..layout.topology import PipelineTopology, ProcessGroups, build_process_groups
+from ..runtime.errors import DEFAULT_WATCHDOG_TIMEOUT, PipelineAborted, report_failure
+from ..runtime.grad_sync import DeferredGradSync, TiedParameterSync
+from . import eval_step
+from .engine_build import LossScale, build_engine, build_grad_sync, log_start, module_io
+from .model_summary import restore_summaries, use_stage_summaries
+from .precision import GlobalNormClipping, with_global_norm_clipping
+from .process_group import ProcessGroupStrategy, StartMethod
+from .split_build import SplitPipeline
 from .stage_build import LayerBuild
-from .topology import PipelineTopology, ProcessGroups, build_process_groups
+from .train_step import TrainStep, clip_grad_by_global_norm
 
 __all__ = ["PipelineStrategy"]
 
@@ -67,8 +76,9 @@ class PipelineStrategy(ProcessGroupStrategy):
 
     The world of ``num_nodes x devices`` processes is a ``pp x dp`` grid (``dp = world / pp``,
     pipeline outermost: global rank ``= pp_rank * dp + dp_rank``). The module's
-    :class:`~lightning_pp.model.PipelineLayers` are cut into ``pp * vpp`` chunks; each rank builds
-    and runs only the chunks the schedule places on it (:mod:`lightning_pp.placement`).
+    :class:`~lightning_pp.strategy.model.PipelineLayers` are cut into ``pp * vpp`` chunks; each
+    rank builds
+    and runs only the chunks the schedule places on it (:mod:`lightning_pp.layout.placement`).
 
     Args:
         pp: pipeline stages (ranks per pipeline). ``None``: all processes in one pipeline.
@@ -83,7 +93,7 @@ class PipelineStrategy(ProcessGroupStrategy):
         release_outputs: free a sent activation's storage (only its autograd graph is kept).
         bucket_cap_mb: data-parallel all-reduce bucket size.
         start_method, process_group_backend, timeout: launching and the process group, see
-            :class:`~lightning_pp.process_strategy.ProcessGroupStrategy`.
+            :class:`~lightning_pp.strategy.process_group.ProcessGroupStrategy`.
         watchdog_timeout: seconds a rank may block on one pipeline transfer before the step
             fails with a hang report (rank, awaited message, the other ranks' state, the grid);
             ``None`` disables. See docs/troubleshooting.md.
@@ -91,14 +101,14 @@ class PipelineStrategy(ProcessGroupStrategy):
             stage and layer that produced it; costs a check per microbatch (off by default).
         recv_lookahead: post the receives of up to this many upcoming actions early, so data
             arrives while the rank computes; ``None``: 8 on gloo, 1 on NCCL (see
-            :class:`~lightning_pp.engine.PipelineEngine`). Each adds one boundary buffer.
+            :class:`~lightning_pp.runtime.engine.PipelineEngine`). Each adds one boundary buffer.
         split: pipeline a module that is NOT written with ``PipelineLayers``: the dotted name,
             relative to the LightningModule, of the ModuleList of repeated blocks
             (``"model.transformer.h"`` for a GPT-2 held as ``self.model``). Blocks are cut
             between; what runs before the first block goes to the first stage, after the last
             to the last stage. The module's own ``training_step``/``validation_step``/
             ``test_step``/``predict_step`` run as written, and state-dict keys stay the model's
-            own (:mod:`lightning_pp.autosplit.strategy_glue`, docs/strategy.md "Bring your own
+            own (:mod:`lightning_pp.strategy.split_build`, docs/strategy.md "Bring your own
             model").
         split_placement: ``{module name: "first" | "last"}`` for modules beside the blocks whose
             registration order does not say on which end they run (``split`` only).
@@ -165,14 +175,12 @@ class PipelineStrategy(ProcessGroupStrategy):
         self.recompute, self.activation_budget = check_recompute(
             recompute, activation_budget, split=split
         )
-        #: the ``recompute="auto"`` plan (every rank's choice), once the first batch ran
-        self.recompute_plan: Any = None
         #: the ``split=`` path (an unmodified model cut between its blocks), else ``None``
         self.split_pipeline = SplitPipeline(split, split_placement) if split else None
         #: builds and stages this rank's layers: ``split=``'s, or the module's PipelineLayers
-        self.stage_build: SplitPipeline | LayerBuild = self.split_pipeline or LayerBuild()
-        #: the checked shape; complete once the world and the module's layers are known
-        self.plan: PipelinePlan | None = None
+        self.stage_build: SplitPipeline | LayerBuild = self.split_pipeline or LayerBuild(partition)
+        #: this rank's plan, grid and placement, learnt in phases (what collaborators receive)
+        self.layout = RankLayout()
         # Fail at construction, before any process starts: the settings, and the whole shape
         # when pp is given (pp=None: one pipeline over the world, whose size comes later).
         if pp is not None:
@@ -180,18 +188,48 @@ class PipelineStrategy(ProcessGroupStrategy):
         else:
             check_settings(**{k: v for k, v in self._settings().items() if k != "schedule"})
 
-        self.topology: PipelineTopology | None = None
-        self.groups: ProcessGroups | None = None
-        #: which layers each rank holds (set once the module's layer count is known)
-        self.placement: LayerPlacement | None = None
         self.chunks: list[PipelineChunk] = []
         self.engine: Any = None
         self.grad_sync: DeferredGradSync | None = None
         self.tied_sync = TiedParameterSync([])
         #: the engine's record of the last train/eval step on this rank (for callbacks)
         self.last_record: Any = None
-        self._loss_scale = 1
+        self.loss_scale = LossScale()
+        self._train: TrainStep | None = None
+        self._recompute_plan: Any = None
+        self._eval: eval_step.ForwardOnly | None = None
         self._unclipped_precision: Precision | None = None
+
+    # ------------------------------------------------------------------ the rank's layout
+    # The strategy's view of its RankLayout (callbacks and user code read these names).
+    @property
+    def plan(self) -> PipelinePlan | None:
+        """The checked shape; complete once the world and the module's layers are known."""
+        return self.layout.plan
+
+    @plan.setter
+    def plan(self, plan: PipelinePlan | None) -> None:
+        self.layout.plan = plan
+
+    @property
+    def topology(self) -> PipelineTopology | None:
+        """This rank's place in the ``pp x dp`` grid (after ``setup_environment``)."""
+        return self.layout.topology
+
+    @property
+    def groups(self) -> ProcessGroups | None:
+        return self.layout.groups
+
+    @property
+    def placement(self) -> LayerPlacement | None:
+        """Which layers each rank holds (set once the module's layer count is known)."""
+        return self.layout.placement
+
+    @property
+    def recompute_plan(self) -> Any:
+        """The ``recompute="auto"`` plan (every rank's choice), once the first batch ran; it
+        stays after the fit ends (a later fit plans again, on its own engine)."""
+        return self._recompute_plan
 
     # ------------------------------------------------------------------ sizes and devices
     @property
@@ -223,7 +261,8 @@ class PipelineStrategy(ProcessGroupStrategy):
         return {"num_replicas": self.dp, "rank": self.global_rank % self.dp}
 
     # ------------------------------------------------------------------ rules
-    # Every validity rule the strategy applies, through its PipelinePlan (lightning_pp.plan holds
+    # Every validity rule the strategy applies, through its PipelinePlan (lightning_pp.layout.plan
+    # holds
     # the rules and their messages). Each runs on every rank alike, before any communication
     # that a bad value would hang.
     def _settings(self) -> dict[str, Any]:
@@ -259,15 +298,16 @@ class PipelineStrategy(ProcessGroupStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()  # the default process group
-        self.topology = PipelineTopology.from_world(self.world_size, self.global_rank, self.pp)
-        self.groups = build_process_groups(self.topology, timeout=self._timeout)
+        topo = PipelineTopology.from_world(self.world_size, self.global_rank, self.pp)
+        self.layout.topology = topo
+        self.layout.groups = build_process_groups(topo, timeout=self._timeout)
 
     # ------------------------------------------------------------------ building the model
     @contextmanager
     @override
     def model_sharded_context(self) -> Generator[None, None, None]:
         """Around ``configure_model``: this rank builds only its own stages."""
-        with self.stage_build.build_context(self, self.lightning_module):
+        with self.stage_build.build_context(self.layout, self.lightning_module, self.root_device):
             yield
 
     @override
@@ -275,42 +315,113 @@ class PipelineStrategy(ProcessGroupStrategy):
         assert self.accelerator is not None and self.topology is not None
         self.accelerator.setup(trainer)
         module = self.lightning_module
-        self.stage_build.stage_module(self, module)  # this rank's stages only, checked
+        device, layout = self.root_device, self.layout
+        # this rank's stages only, checked
+        self.stage_build.stage_module(layout, module, self.precision_plugin, device)
         self.precision_plugin.convert_module(module)
         self.model_to_device()
         assert self.plan is not None and self.placement is not None
         self.chunks = list(self.stage_build.chunks)
-        self.tied_sync = self.stage_build.tied_sync(self)
+        self.tied_sync = self.stage_build.tied_sync(layout)
         self.tied_sync.broadcast_weights()  # the copies start from the owner's values
-        # Optimizers and precision; when fitting, Lightning's backward is switched off (the
-        # schedule runs it) and gradient clipping goes by the whole pipeline's norm.
-        train_step.setup_training(self, trainer)
-        self.grad_sync = build_grad_sync(self)
-        self.engine = build_engine(self)
+        self._setup_training(trainer)
+        self.grad_sync = build_grad_sync(self.chunks, layout, self.bucket_cap_mb)
+        if self.split_pipeline is not None:
+            io = self.split_pipeline.engine_kwargs(self.loss_scale, device)
+        else:
+            io = module_io(module, self.global_rank, self.loss_scale)
+        self.engine = build_engine(
+            self.chunks,
+            layout,
+            io,
+            self.grad_sync,
+            device=device,
+            release_outputs=self.release_outputs,
+            watchdog_timeout=self.watchdog_timeout,
+            check_finite=self.check_finite,
+            recv_lookahead=self.recv_lookahead,
+            recompute=self.recompute,
+        )
+        auto = self.recompute == "auto" and self.split_pipeline is None
+        self._train = TrainStep(
+            self.engine,
+            layout,
+            self.grad_sync,
+            self.tied_sync,
+            collectives=self,
+            loss_scale=self.loss_scale,
+            split=self.split_pipeline,
+            activation_budget=self.activation_budget if auto else None,
+        )
+        self._eval = eval_step.ForwardOnly(self.engine, layout, module, self, device)
         if self.is_global_zero:
-            log_start(self)
+            log_start(self.plan, self.engine, self.grad_sync, self.bucket_cap_mb)
+
+    def _setup_training(self, trainer: pl.Trainer) -> None:
+        """Lightning's optimizer and precision setup, in Lightning's order; when fitting, the
+        Trainer's own backward is switched off (the schedule runs it), gradient clipping goes by
+        the whole pipeline's norm and the model summary counts every stage."""
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:
+            compat.reset_optimizers_and_schedulers(self)
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if not fitting:
+            return
+        compat.optimizers_to_device(self.optimizers, self.root_device)
+        # The pipeline runs backward inside training_step; Lightning must not run it again
+        # (nor zero the gradients between our backward and the optimizer step).
+        compat.set_skip_backward(trainer, True)
+        self._unclipped_precision = self.precision_plugin
+        self.precision_plugin = with_global_norm_clipping(self.precision_plugin, self._clip)
+        use_stage_summaries(
+            trainer.callbacks, self.layout, self.lightning_module, self.tied_sync, self
+        )
+
+    def _clip(self, params: Sequence[nn.Parameter], max_norm: float) -> Tensor:
+        """``gradient_clip_val``: by the norm of every stage (lightning_pp.strategy.precision)."""
+        return clip_grad_by_global_norm(params, max_norm, self.layout.need_groups(), self.tied_sync)
 
     # ------------------------------------------------------------------ training
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Tensor:
         """One pipelined forward+backward over the batch; returns the batch loss on every rank."""
-        return train_step.train_step(self, args, kwargs)
+        assert self._train is not None, "PipelineStrategy.setup has not run"
+        loss = self._train.run(self.lightning_module, self.precision_plugin, args, kwargs)
+        self.last_record = self._train.record
+        self._recompute_plan = self._train.recompute_plan or self._recompute_plan
+        return loss
 
     # ------------------------------------------------------------------ evaluation, prediction
-    # One forward-only path (lightning_pp.eval_step): the last stage's result reaches every rank.
+    # One forward-only path (lightning_pp.strategy.eval_step): the last stage's result reaches
+    # every rank.
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        return eval_step.step(self, "validation_step", args, kwargs)
+        return self._forward_only("validation_step", args, kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        return eval_step.step(self, "test_step", args, kwargs)
+        return self._forward_only("test_step", args, kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         """The batch's output (microbatches concatenated), on every rank of the pipeline, so
         ``trainer.predict`` returns predictions on global rank 0 too (as spawn launchers need)."""
-        return eval_step.step(self, "predict_step", args, kwargs)
+        return self._forward_only("predict_step", args, kwargs)
+
+    def _forward_only(self, hook: str, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+        run = self._eval
+        assert run is not None, "PipelineStrategy.setup has not run"
+        try:
+            if self.split_pipeline is not None:  # the module's own hook on every stage
+                context = eval_step.hook_context(hook, self.precision_plugin)
+                predict = hook == "predict_step"
+                return self.split_pipeline.forward_only(
+                    run, hook, args, kwargs, context, predict=predict
+                )
+            return eval_step.step(run, hook, args, self.precision_plugin)
+        finally:
+            self.last_record = run.record
 
     # ------------------------------------------------------------------ checkpoints
     # A checkpoint is a directory: every stage writes its own tensors by original name, rank 0
@@ -329,22 +440,55 @@ class PipelineStrategy(ProcessGroupStrategy):
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """This rank's optimizer state keyed by parameter name (stages' indices would collide)."""
-        return strategy_optimizer_state(self, optimizer)
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer.optimizer
+        return module_optimizer_state(optimizer, self.lightning_module, self._stored_names())
 
     @override
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
     ) -> None:
-        """Collective: write this rank's shard into the checkpoint directory ``filepath``."""
-        save_strategy_checkpoint(self, checkpoint, filepath, storage_options)
+        """Collective: write this rank's shard into the checkpoint directory ``filepath`` (rank
+        0's path, so every rank writes into the same directory)."""
+        if storage_options is not None:
+            raise TypeError(
+                "PipelineStrategy.save_checkpoint(..., storage_options=...) is not supported: "
+                "the strategy writes a sharded checkpoint directory itself, not via CheckpointIO"
+            )
+        topo, placement = self.layout.need_topology(), self.layout.need_placement()
+        save_pipeline_checkpoint(
+            checkpoint,
+            self.broadcast(str(filepath)),
+            module=self.lightning_module,
+            pp_rank=topo.pp_rank,
+            dp_rank=topo.dp_rank,
+            layout={**placement.layout(), "dp": topo.dp, "world_size": self.world_size},
+            barrier=self.barrier,
+            canonical=self._stored_names(),
+        )
 
     @override
     def load_checkpoint(
         self, checkpoint_path: Any, weights_only: bool | None = None
     ) -> dict[str, Any]:
-        """Load this rank's layers (and optimizer state) by name, whatever pipeline shape wrote
-        the checkpoint; return Lightning's metadata."""
-        return load_strategy_checkpoint(self, checkpoint_path, weights_only)
+        """Collective: load this rank's layers, and when fitting its optimizer state, by name,
+        whatever pipeline shape wrote the checkpoint; return Lightning's metadata."""
+        trainer = self.lightning_module.trainer
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        return load_pipeline_checkpoint(
+            self.broadcast(str(checkpoint_path)),
+            self.lightning_module,
+            rank=self.global_rank,
+            optimizers=list(self.optimizers) if fitting else None,
+            scheduler_configs=trainer.lr_scheduler_configs,
+            weights_only=weights_only,
+            canonical=self._stored_names(),
+        )
+
+    def _stored_names(self) -> dict[str, str] | None:
+        """Tied member -> stored name, for the ``split=`` path (``None``: from the layers)."""
+        split = self.split_pipeline
+        return split.canonical_names() if split is not None else None
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
@@ -373,8 +517,16 @@ class PipelineStrategy(ProcessGroupStrategy):
 
     @override
     def teardown(self) -> None:
-        train_step.teardown_training(self)  # Lightning's own backward, summaries, precision
+        # Give the Trainer back its own backward, summaries and precision plugin.
+        trainer = compat.trainer_of(self.lightning_module)
+        compat.set_skip_backward(trainer, False)
+        if trainer is not None:
+            restore_summaries(trainer.callbacks)
+        if isinstance(self.precision_plugin, GlobalNormClipping):
+            self.precision_plugin = self._unclipped_precision
+        self._unclipped_precision = None
         self.engine = None
+        self._train = self._eval = None
         super().teardown()
 
     @classmethod

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from .grad_sync import global_grad_norm
+from ..runtime.grad_sync import global_grad_norm
 
 __all__ = ["GlobalNormClipping", "clip_by_global_norm", "with_global_norm_clipping"]
 

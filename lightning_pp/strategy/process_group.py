@@ -38,15 +38,15 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from torch import Tensor
 from typing_extensions import override
 
-from . import _lightning_compat as compat
-from .failure import (
+from .. import _lightning_compat as compat
+from ..runtime.failure import (
     DEFAULT_WATCHDOG_TIMEOUT,
     FailureMonitor,
-    ProcessWatcher,
     monitored_wait,
     set_collective_monitor,
 )
-from .processes import SIGTERM_EXIT_CODE, install_excepthook, slurm_job_id, slurm_requeue
+from ..runtime.heartbeats import ProcessWatcher
+from ..runtime.processes import SIGTERM_EXIT_CODE, install_excepthook, slurm_job_id, slurm_requeue
 
 __all__ = ["ProcessGroupStrategy"]
 
@@ -72,10 +72,12 @@ class ProcessGroupStrategy(ParallelStrategy):
 
     Every collective it issues (``barrier``, ``broadcast``, ``reduce``, ``all_gather`` and the
     helpers :meth:`all_reduce` / :meth:`broadcast_object`) waits through a
-    :class:`~lightning_pp.failure.FailureMonitor`: it stops when another rank fails and raises
+    :class:`~lightning_pp.runtime.failure.FailureMonitor`: it stops when another rank fails and
+    raises
     a hang report naming the rank and the collective after ``watchdog_timeout`` seconds
     (an attribute, default 300 s; ``None`` disables). A
-    :class:`~lightning_pp.failure.ProcessWatcher` per rank names a rank that vanished and ends a
+    :class:`~lightning_pp.runtime.heartbeats.ProcessWatcher` per rank names a rank that vanished and
+    ends a
     process blocked where no monitor watches. SIGTERM saves a checkpoint (when checkpointing is
     configured), requeues a SLURM job (``auto_requeue``) and exits with code 143.
     """

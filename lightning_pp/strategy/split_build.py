@@ -4,7 +4,8 @@ The module keeps its own ``training_step``/``validation_step``/``test_step``/``p
 (``return self.model(input_ids=x, labels=y).loss``) and its own model class; the strategy is
 told only where the repeated blocks are (``split="model.transformer.h"``, a name relative to the
 LightningModule). :class:`SplitPipeline` holds everything this path does differently from the
-explicit :class:`~lightning_pp.model.PipelineLayers` path; the strategy calls it at five points
+explicit :class:`~lightning_pp.strategy.model.PipelineLayers` path; the strategy calls it at five
+points
 (building, setup, the engine's loss/input, the steps, checkpoint names).
 
 Building (each rank materialises only its stages):
@@ -50,13 +51,20 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .. import eval_step
-from ..grad_sync import TiedGroup, TiedParameterSync
-from ..microbatch import batch_size_of
-from ..placement import LayerPlacement
-from ..plan import check_no_scaler
-from .materialize import ShapeBuild, _registration_hooks, _to_meta, meta_twin, replay_build
-from .split import SplitError, SplitLayout, StagedModel
+from ..autosplit.materialize import (
+    ShapeBuild,
+    _registration_hooks,
+    _to_meta,
+    meta_twin,
+    replay_build,
+)
+from ..autosplit.split import SplitError, SplitLayout, StagedModel
+from ..layout.rank_layout import RankLayout
+from ..runtime.grad_sync import TiedGroup, TiedParameterSync
+from ..runtime.microbatch import batch_size_of, batch_size_or_none
+from . import eval_step
+from .engine_build import LossScale
+from .module_rules import check_no_scaler
 
 __all__ = ["SplitPipeline"]
 
@@ -170,31 +178,31 @@ class SplitPipeline:
         self._built_in_configure = False
 
     # ------------------------------------------------------------------ building
-    def _layout(self, strategy: Any, twin: nn.Module) -> SplitLayout:
+    def _layout(self, layout: RankLayout, module: Any, twin: nn.Module) -> SplitLayout:
         """Cut the blocks as the strategy's plan says (``partition``, ``pp * vpp``)."""
         try:
             blocks = twin.get_submodule(self.split)
         except AttributeError as e:
             raise SplitError(
-                f"split={self.split!r}: {type(strategy.lightning_module).__name__} has no such "
+                f"split={self.split!r}: {type(module).__name__} has no such "
                 f"module (the name is relative to the LightningModule, e.g. "
                 f"'model.transformer.h')"
             ) from e
         if not isinstance(blocks, (nn.ModuleList, nn.Sequential)):
             SplitLayout.discover(twin, self.split, 1)  # raises the error naming the type
         params = [sum(p.numel() for p in b.parameters()) for b in blocks]
-        plan = strategy.plan.with_layers(len(blocks), layer_params=params)
-        strategy.plan = plan
-        strategy.placement = LayerPlacement(plan.schedule, plan.layer_ranges)
+        plan = layout.with_layers(len(blocks), layer_params=params)
         return SplitLayout.discover(
             twin, self.split, plan.num_stages, placement=self.placement, ranges=plan.layer_ranges
         )
 
-    def _stages(self, strategy: Any) -> list[int]:
-        return list(strategy.plan.schedule.stages_of(strategy.topology.pp_rank))
+    def _stages(self, layout: RankLayout) -> list[int]:
+        return list(layout.need_plan().schedule.stages_of(layout.need_topology().pp_rank))
 
     @contextlib.contextmanager
-    def build_context(self, strategy: Any, module: Any) -> Generator[None, None, None]:
+    def build_context(
+        self, layout: RankLayout, module: Any, device: torch.device
+    ) -> Generator[None, None, None]:
         """Around Lightning's ``configure_model`` call: build only this rank's stages."""
         if module is None or self.staged is not None:
             yield
@@ -202,7 +210,7 @@ class SplitPipeline:
         configure = module.configure_model
 
         def staged_configure_model() -> None:
-            self._configure(strategy, module, configure)
+            self._configure(layout, module, configure, device)
 
         module.configure_model = staged_configure_model  # an instance attribute shadows it
         try:
@@ -210,7 +218,13 @@ class SplitPipeline:
         finally:
             module.__dict__.pop("configure_model", None)
 
-    def _configure(self, strategy: Any, module: nn.Module, configure: Callable[[], Any]) -> None:
+    def _configure(
+        self,
+        layout: RankLayout,
+        module: nn.Module,
+        configure: Callable[[], Any],
+        device: torch.device,
+    ) -> None:
         before = _snapshot(module)
         registrations: list[Tensor | None] = []
 
@@ -228,11 +242,11 @@ class SplitPipeline:
         if not built_here:  # the blocks come from __init__: setup() stages them in place
             configure()
             return
-        layout = self._layout(strategy, twin)
-        mine = set(self._stages(strategy))
+        split_layout = self._layout(layout, module, twin)
+        mine = set(self._stages(layout))
 
         def keep(name: str) -> bool:
-            stage = layout.stage_of(name)
+            stage = split_layout.stage_of(name)
             return stage is None or stage in mine
 
         def rebuild() -> nn.Module:
@@ -241,35 +255,35 @@ class SplitPipeline:
 
         shape = ShapeBuild(twin, registrations)
         replay_build(rebuild, shape, keep, seed=None)
-        self.staged = StagedModel.assemble(
-            module, shape, layout, sorted(mine), strategy.root_device
-        )
+        self.staged = StagedModel.assemble(module, shape, split_layout, sorted(mine), device)
         self._built_in_configure = True
 
-    def stage_module(self, strategy: Any, module: nn.Module) -> None:
+    def stage_module(
+        self, layout: RankLayout, module: nn.Module, precision_plugin: Any, device: torch.device
+    ) -> None:
         """At setup: stage a model that ``configure_model`` did not build (built in
         ``__init__``): every rank built all of it; other stages' modules are dropped now."""
         if self.staged is None:
-            if strategy.is_global_zero:
+            if layout.need_topology().rank == 0:
                 log.info(
                     f"split={self.split!r}: the model was built outside configure_model(); "
                     f"every rank materialised all of it and now drops other stages' modules "
                     f"(build it in configure_model() to materialise only local stages)"
                 )
             twin = _shell_of(module, meta=False)
-            layout = self._layout(strategy, twin)
+            split_layout = self._layout(layout, module, twin)
             self.staged = StagedModel.assemble(
-                module, ShapeBuild(twin), layout, self._stages(strategy), strategy.root_device
+                module, ShapeBuild(twin), split_layout, self._stages(layout), device
             )
-        check_no_scaler(strategy.precision_plugin)
+        check_no_scaler(precision_plugin)
         self.chunks = [_SplitChunk(self, c) for c in range(len(self.staged.stages))]
 
-    def tied_sync(self, strategy: Any) -> TiedParameterSync:
+    def tied_sync(self, layout: RankLayout) -> TiedParameterSync:
         """Collective: one process group per tie whose copies live on several pipeline ranks.
         The owner (initialises, counts once in the global norm) holds the tie's first name."""
-        staged, topo, groups = self.staged, strategy.topology, strategy.groups
+        staged, topo, groups = self.staged, layout.need_topology(), layout.need_groups()
         assert staged is not None
-        schedule = strategy.plan.schedule
+        schedule = layout.need_plan().schedule
         local = {t.all_names: t for t in staged.tied}
         out = []
         for names, stages in staged.all_ties():
@@ -297,14 +311,14 @@ class SplitPipeline:
         return {n: names[0] for names, _ in self.staged.all_ties() for n in names}
 
     # ------------------------------------------------------------------ running
-    def engine_kwargs(self, strategy: Any) -> dict[str, Any]:
+    def engine_kwargs(self, loss_scale: LossScale, device: torch.device) -> dict[str, Any]:
         """``PipelineEngine`` arguments: stage 0 reads its microbatch itself; the last stage's
         hook result is the loss (divided like Lightning divides a plain step's loss)."""
 
         def loss_fn(out: Any, microbatch: Any) -> Tensor:
             if not self._expect_tensor:  # evaluation: hooks log; no loss to add up
-                return torch.zeros((), device=strategy.root_device)
-            return out / strategy._loss_scale
+                return torch.zeros((), device=device)
+            return out / loss_scale.value
 
         return {"loss_fn": loss_fn, "input_fn": lambda mb: (), "chunk_gets_microbatch": True}
 
@@ -350,22 +364,24 @@ class SplitPipeline:
         with self._running(module, "training_step", args, kwargs, train=True):
             return engine.train_step(batch)
 
-    def replay_logs(self, strategy: Any, module: Any, logs: dict | None = None) -> None:
+    def replay_logs(self, layout: RankLayout, module: Any, logs: dict | None = None) -> None:
         """Send the last stage's captured logs to every pipeline rank; log them everywhere."""
         if logs is None:
             payload = [self._logs.take()]
-            last = strategy.placement.output_rank
-            if strategy.pp > 1:
-                src = strategy.topology.global_rank(last)
-                dist.broadcast_object_list(payload, src=src, group=strategy.groups.pp_group)
+            last = layout.need_placement().output_rank
+            topo = layout.need_topology()
+            if topo.pp > 1:
+                src, group = topo.global_rank(last), layout.need_groups().pp_group
+                dist.broadcast_object_list(payload, src=src, group=group)
             logs = payload[0]
+        device = module.device
         for name, (value, args, kwargs) in logs.items():
-            value_t = torch.tensor(value, dtype=torch.float32, device=strategy.root_device)
+            value_t = torch.tensor(value, dtype=torch.float32, device=device)
             type(module).log(module, name, value_t, *args, **kwargs)
 
     def forward_only(
         self,
-        strategy: Any,
+        run: eval_step.ForwardOnly,
         hook: str,
         args: Sequence[Any],
         kwargs: dict,
@@ -374,14 +390,15 @@ class SplitPipeline:
     ) -> Any:
         """``validation_step``/``test_step``/``predict_step`` through the forward-only
         schedule: logs (or, for predict, the outputs concatenated) reach every rank."""
-        module = strategy.lightning_module
+        module = run.module
         batch = args[0] if args else kwargs["batch"]
-        strategy.plan.check_batch_of(batch, strategy.global_rank)
+        rank = run.layout.need_topology().rank
+        run.layout.need_plan().check_batch_on_rank(batch_size_or_none(batch), rank)
         with self._running(module, hook, args, kwargs, train=False):
             if predict:
-                return eval_step.predict(strategy, batch, context, hook)
-            logs = eval_step.forward_only(strategy, batch, context, self._on_output, hook)
-        self.replay_logs(strategy, module, logs)
+                return eval_step.predict(run, batch, context, hook)
+            logs = eval_step.forward_only(run, batch, context, self._on_output, hook)
+        self.replay_logs(run.layout, module, logs)
         return None
 
     def _on_output(self, _output: Any) -> dict[str, tuple[float, tuple, dict]]:

@@ -1,25 +1,29 @@
-"""Building this rank's stages from a module's :class:`~lightning_pp.model.PipelineLayers`.
+"""Building this rank's stages from a module's :class:`~lightning_pp.strategy.model.
+PipelineLayers`.
 
 :class:`LayerBuild` is the explicit-layers path of
 :class:`~lightning_pp.strategy.PipelineStrategy`, as
-:class:`~lightning_pp.autosplit.strategy_glue.SplitPipeline` is the ``split=`` path; the strategy
-calls either at the same points, with itself as the argument:
+:class:`~lightning_pp.strategy.split_build.SplitPipeline` is the ``split=`` path; the strategy
+calls either at the same points, with the rank's
+:class:`~lightning_pp.layout.rank_layout.RankLayout` (plan, grid, placement):
 
-- ``build_context(strategy, module)``: around Lightning's ``configure_model`` call. The layer
-  count becomes known when the module constructs its ``PipelineLayers``; the container then asks
-  :meth:`LayerBuild.select` which layers to build, which cuts the model into stages (the plan's
-  partition) and answers this rank's layers, so no rank materialises another's.
-- ``stage_module(strategy, module)``: at setup. Layers built elsewhere (``__init__``) are cut
-  down to this rank's; the module is checked (hooks, parameters outside the layers).
-- ``chunks`` and ``tied_sync(strategy)``: the engine's chunks, and the groups that keep tied
+- ``build_context(layout, module, device)``: around Lightning's ``configure_model`` call. The
+  layer count becomes known when the module constructs its ``PipelineLayers``; the container then
+  asks :meth:`LayerBuild.select` which layers to build, which cuts the model into stages (the
+  plan's partition, written into the layout) and answers this rank's layers, so no rank
+  materialises another's.
+- ``stage_module(layout, module, precision_plugin, device)``: at setup. Layers built elsewhere
+  (``__init__``) are cut down to this rank's; the module is checked (hooks, parameters outside
+  the layers).
+- ``chunks`` and ``tied_sync(layout)``: the engine's chunks, and the groups that keep tied
   copies on several ranks equal.
 
 Example::
 
-    build = LayerBuild()
-    with build.build_context(strategy, module):
+    build = LayerBuild(partition="uniform")
+    with build.build_context(layout, module, device):
         module.configure_model()        # PipelineLayers built here hold this rank's layers only
-    build.stage_module(strategy, module)
+    build.stage_module(layout, module, precision_plugin, device)
     chunks = build.chunks               # one PipelineChunk per local virtual stage
 """
 
@@ -28,11 +32,14 @@ from __future__ import annotations
 import warnings
 from collections.abc import Generator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
-from .grad_sync import TiedParameterSync, tied_parameter_sync
+from ..layout.partition import PipelineChunk
+from ..layout.rank_layout import RankLayout
+from ..runtime.grad_sync import TiedParameterSync, tied_parameter_sync
 from .model import (
     PipelineLayers,
     partition_weights,
@@ -40,9 +47,7 @@ from .model import (
     replace_submodule,
     select_layers,
 )
-from .partition import PipelineChunk
-from .placement import LayerPlacement
-from .plan import (
+from .module_rules import (
     check_built_module,
     check_module,
     check_pipeline_hooks,
@@ -50,47 +55,44 @@ from .plan import (
     ignored_steps_message,
 )
 
-if TYPE_CHECKING:
-    from .strategy import PipelineStrategy
-
 __all__ = ["LayerBuild", "built_layers", "keep_built_layers"]
 
 
 class LayerBuild:
     """How :class:`~lightning_pp.strategy.PipelineStrategy` builds and stages a module written
-    with :class:`~lightning_pp.model.PipelineLayers` (see the module docstring)."""
+    with :class:`~lightning_pp.strategy.model.PipelineLayers` (see the module docstring).
+    ``partition``: the strategy's partition setting (a method name or per-stage counts)."""
 
-    def __init__(self) -> None:
+    def __init__(self, partition: Any = "uniform") -> None:
+        self.partition = partition
         self._layers: PipelineLayers | None = None
         self._ranges: list[range] = []
         self._warned_steps = False  # about the module's own *_step overrides, once
 
     @contextmanager
-    def build_context(self, strategy: PipelineStrategy, module: Any) -> Generator[None, None, None]:
+    def build_context(
+        self, layout: RankLayout, module: Any, device: torch.device
+    ) -> Generator[None, None, None]:
         """Around ``configure_model``: PipelineLayers built here hold this rank's layers only."""
         built = None
         if module is not None:
             check_module(module, configured=False)
             built = built_layers(module)
-        with select_layers(lambda layers: self.select(strategy, layers)):
+        with select_layers(lambda layers: self.select(layout, module, layers)):
             yield
         if built is not None:
             keep_built_layers(module, built)
 
-    def select(self, strategy: PipelineStrategy, layers: PipelineLayers) -> list[int]:
-        """Partition the model once its layer count is known (the strategy's plan and placement
-        are set); return this rank's layers. Errors show the split that would result."""
-        assert strategy.topology is not None, "the process group must exist before configure_model"
-        assert strategy.plan is not None
-        module = strategy.lightning_module
-        params, costs = partition_weights(module, layers, strategy.partition)
-        plan = strategy.plan.with_layers(layers.num_layers, layer_params=params, layer_costs=costs)
-        assert plan.layer_ranges is not None
-        strategy.plan = plan
-        strategy.placement = LayerPlacement(plan.schedule, plan.layer_ranges)
-        return self._local_layers(strategy)
+    def select(self, layout: RankLayout, module: Any, layers: PipelineLayers) -> list[int]:
+        """Partition the model once its layer count is known (sets the layout's plan and
+        placement); return this rank's layers. Errors show the split that would result."""
+        params, costs = partition_weights(module, layers, self.partition)
+        layout.with_layers(layers.num_layers, layer_params=params, layer_costs=costs)
+        return layout.local_layers()
 
-    def stage_module(self, strategy: PipelineStrategy, module: Any) -> None:
+    def stage_module(
+        self, layout: RankLayout, module: Any, precision_plugin: Any, device: torch.device
+    ) -> None:
         """At setup: this rank's layers only, and a module the pipeline can train."""
         check_pipeline_hooks(module)
         if not self._warned_steps:
@@ -99,11 +101,10 @@ class LayerBuild:
             if steps:
                 rank_zero_warn(ignored_steps_message(module, steps))
         layers = module.pipeline_layers()
-        self._keep_local_layers(strategy, layers)
-        check_built_module(module, layers, strategy.precision_plugin)
-        assert strategy.plan is not None and strategy.topology is not None
+        self._keep_local_layers(layout, module, layers)
+        check_built_module(module, layers, precision_plugin)
         self._layers = layers
-        self._ranges = strategy.plan.stage_layers(strategy.topology.pp_rank)
+        self._ranges = layout.need_plan().stage_layers(layout.need_topology().pp_rank)
 
     @property
     def chunks(self) -> list[PipelineChunk]:
@@ -112,23 +113,17 @@ class LayerBuild:
         assert layers is not None
         return [PipelineChunk([layers[i] for i in r], indices=r) for r in self._ranges]
 
-    def tied_sync(self, strategy: PipelineStrategy) -> TiedParameterSync:
+    def tied_sync(self, layout: RankLayout) -> TiedParameterSync:
         """Collective: the groups of tied weights whose copies live on several pipeline ranks."""
-        assert self._layers is not None and strategy.placement is not None
-        assert strategy.topology is not None and strategy.groups is not None
+        assert self._layers is not None
         return tied_parameter_sync(
-            self._layers, strategy.placement, strategy.topology, strategy.groups
+            self._layers, layout.need_placement(), layout.need_topology(), layout.need_groups()
         )
 
-    def _local_layers(self, strategy: PipelineStrategy) -> list[int]:
-        assert strategy.plan is not None and strategy.topology is not None
-        return [i for r in strategy.plan.stage_layers(strategy.topology.pp_rank) for i in r]
-
-    def _keep_local_layers(self, strategy: PipelineStrategy, layers: PipelineLayers) -> None:
+    def _keep_local_layers(self, layout: RankLayout, module: Any, layers: PipelineLayers) -> None:
         """Layers built outside ``configure_model`` (every rank built all): drop the others."""
-        assert strategy.topology is not None
-        if strategy.placement is not None:
-            if sorted(layers.built_indices) == sorted(self._local_layers(strategy)):
+        if layout.placement is not None:
+            if sorted(layers.built_indices) == sorted(layout.local_layers()):
                 return  # built in configure_model, as intended
         else:
             warnings.warn(
@@ -137,12 +132,12 @@ class LayerBuild:
                 "rank materialises only its own.",
                 stacklevel=4,
             )
-        local = self.select(strategy, layers)
+        local = self.select(layout, module, layers)
         missing = set(local) - set(layers.built_indices)
         if missing:
             raise RuntimeError(
-                f"rank {strategy.global_rank}: layers {sorted(missing)} of this stage were not "
-                f"built"
+                f"rank {layout.need_topology().rank}: layers {sorted(missing)} of this stage "
+                f"were not built"
             )
         layers.keep_only(local)
 

@@ -32,7 +32,7 @@ import lightning as L  # noqa: E402
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 from pp_common import GLOBAL_BATCH, MODEL_KW, Data, Recorder, dump  # noqa: E402
 
-import lightning_pp.checkpoint as ckpt_mod  # noqa: E402
+import lightning_pp.checkpoint.sharded as ckpt_mod  # noqa: E402
 from lightning_pp import PipelineStrategy  # noqa: E402
 from lightning_pp.models import GPT  # noqa: E402
 

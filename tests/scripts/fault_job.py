@@ -21,7 +21,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from pp_common import MODEL_KW, Data
 
 from lightning_pp.models import GPT
-from lightning_pp.strategy import PipelineStrategy
+from lightning_pp.strategy.pipeline_strategy import PipelineStrategy
 
 
 class Ready(Callback):

@@ -18,7 +18,7 @@ from lightning.pytorch.callbacks import Callback
 from pp_common import MODEL_KW, Data, make_trainer
 
 from lightning_pp.models import GPT
-from lightning_pp.strategy import PipelineStrategy
+from lightning_pp.strategy.pipeline_strategy import PipelineStrategy
 
 
 class Injected(RuntimeError):

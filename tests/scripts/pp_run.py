@@ -40,7 +40,8 @@ from lightning_pp.models import GPT  # noqa: E402
 from lightning_pp.schedules import Op  # noqa: E402
 
 # Count every asynchronous all-reduce; the probe keeps the data-parallel gradient buckets (issued
-# by lightning_pp.grad_sync on the dp group). Since every collective is watched (issued async),
+# by lightning_pp.runtime.grad_sync on the dp group). Since every collective is watched (issued
+# async),
 # others are async too: the step loss's DP mean, the per-batch SIGTERM vote on the world group.
 _CALLS: list[dict] = []
 _real_all_reduce = dist.all_reduce
@@ -49,7 +50,7 @@ _real_all_reduce = dist.all_reduce
 def _counting_all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
     if async_op:
         caller = sys._getframe(1).f_globals.get("__name__")
-        if caller == "lightning_pp.grad_sync":
+        if caller == "lightning_pp.runtime.grad_sync":
             _CALLS.append({"t": time.perf_counter(), "numel": tensor.numel(), "group": group})
     return _real_all_reduce(tensor, op=op, group=group, async_op=async_op)
 

@@ -1,0 +1,344 @@
+"""Every validity rule of a pipeline shape, each with a message that names the numbers and the fix.
+
+A rule is pure: no process group, no model weights, so a bad setting fails on every rank alike,
+before any rank talks to another. :class:`~lightning_pp.layout.plan.PipelinePlan` applies them
+in order (settings -> schedule -> world -> layers -> batch); a front end that knows only part of
+the shape (``pp`` left to the world size) calls the rules it can.
+
+Schedule rules live in :mod:`lightning_pp.schedules.generators`; :func:`check_schedule_args`
+calls the generators and lets their messages through as a :class:`PreflightError`. The defaults
+written here and only here: ``schedule`` is ``"1f1b"`` when ``vpp == 1`` and ``"interleaved"``
+otherwise; ``microbatches`` is ``pp``.
+
+Example:
+    >>> check_world(8, pp=4)
+    2
+    >>> check_world(6, pp=4)
+    Traceback (most recent call last):
+    ...
+    lightning_pp.layout.rules.PreflightError: world size 6 is not divisible by pp=4 ...
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+from ..schedules import Schedule, build_schedule, check_positive, check_schedule_name, simulate
+
+#: the partition methods by name (an explicit per-stage list of layer counts is the other form)
+PARTITION_METHODS: tuple[str, ...] = ("uniform", "parameters", "cost")
+
+
+class PreflightError(ValueError):
+    """A pipeline setting that cannot work; the message names the numbers and the fix.
+
+    ``key`` names the :meth:`~lightning_pp.layout.plan.PipelinePlan.build` argument at fault
+    (``"microbatches"``,
+    ``"world_size"``, ...) when one is, so that a front end can point at its own spelling of it
+    (the CLI says ``strategy.microbatches`` and where that value came from).
+
+    Example:
+        >>> try:
+        ...     check_settings(microbatches=0)
+        ... except PreflightError as e:
+        ...     (e.key, str(e))
+        ('microbatches', 'microbatches must be a positive integer, got 0')
+    """
+
+    def __init__(self, message: str, key: str | None = None) -> None:
+        super().__init__(message)
+        self.key = key
+
+
+class PipelineWarning(UserWarning):
+    """A setting that works but wastes most of the hardware (e.g. ``microbatches < pp``)."""
+
+
+def default_schedule(vpp: int) -> str:
+    """The schedule used when none is named: ``"1f1b"``, or ``"interleaved"`` for ``vpp > 1``."""
+    return "1f1b" if vpp == 1 else "interleaved"
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _positive(**values: Any) -> None:
+    # One check per value so that the error knows which argument it is about.
+    for name, value in values.items():
+        try:
+            check_positive(PreflightError, **{name: value})
+        except PreflightError as e:
+            raise PreflightError(str(e), key=name) from None
+
+
+def _positive_number(name: str, value: Any, unit: str, none_means: str | None = None) -> None:
+    """A positive, finite real; ``None`` passes (not given), and the message offers it only
+    where it means something to the user (``none_means``)."""
+    if value is None:
+        return
+    ok = (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and value > 0
+    )
+    if not ok:
+        alt = f" or None ({none_means})" if none_means is not None else ""
+        raise PreflightError(
+            f"{name} must be a positive number of {unit}{alt}, got {value!r}", key=name
+        )
+
+
+def check_settings(
+    *,
+    vpp: int = 1,
+    microbatches: int | None = None,
+    partition: str | Sequence[int] = "uniform",
+    group_size: int | None = None,
+    recv_lookahead: int | None = None,
+    bucket_cap_mb: float | None = None,
+    watchdog_timeout: float | None = None,
+    accumulate_grad_batches: int = 1,
+) -> None:
+    """The rules that need no pipeline size: positive counts, a known partition, sane limits.
+
+    :meth:`PipelinePlan.build` runs them first; a front end that cannot know ``pp`` yet (``pp``
+    left to the world size, the world decided at run time) runs them alone.
+    """
+    sizes = {
+        "vpp": vpp,
+        "microbatches": microbatches,
+        "group_size": group_size,
+        "recv_lookahead": recv_lookahead,
+        "accumulate_grad_batches": accumulate_grad_batches,
+    }
+    _positive(**{k: v for k, v in sizes.items() if v is not None})
+    _positive_number("bucket_cap_mb", bucket_cap_mb, "megabytes")
+    _positive_number("watchdog_timeout", watchdog_timeout, "seconds", none_means="disabled")
+    if isinstance(partition, str):
+        if partition not in PARTITION_METHODS:
+            close = difflib.get_close_matches(partition, PARTITION_METHODS, n=1)
+            hint = f" Did you mean '{close[0]}'?" if close else ""
+            raise PreflightError(
+                f"unknown partition {partition!r}; use one of {list(PARTITION_METHODS)} or a "
+                f"list of per-stage layer counts (one per virtual stage, pp * vpp of them).{hint}",
+                key="partition",
+            )
+    elif not all(isinstance(c, int) and not isinstance(c, bool) for c in partition):
+        raise PreflightError(
+            f"an explicit partition is a list of per-stage layer counts (integers), got "
+            f"{list(partition)!r}",
+            key="partition",
+        )
+
+
+def check_world(world_size: int, pp: int, dp: int | None = None) -> int:
+    """Check ``world_size == pp * dp`` (``dp`` inferred when ``None``); return ``dp``.
+
+    ``world_size`` is ``num_nodes * devices`` (every process of the job).
+    """
+    _positive(world_size=world_size, pp=pp)
+    if dp is not None:
+        _positive(dp=dp)
+        if pp * dp != world_size:
+            raise PreflightError(
+                f"pp({pp}) * dp({dp}) = {pp * dp} != world size {world_size} "
+                f"(num_nodes x devices): set dp={world_size // pp if world_size % pp == 0 else '?'}"
+                f" or leave dp unset so it is inferred as world_size / pp",
+                key="dp",
+            )
+        return dp
+    if pp > world_size:
+        raise PreflightError(
+            f"pp={pp} pipeline stages need at least {pp} processes but the world size is "
+            f"{world_size} (num_nodes x devices); lower pp to a divisor of {world_size} "
+            f"({_divisors(world_size)}) or start {pp} processes",
+            key="pp",
+        )
+    if world_size % pp:
+        raise PreflightError(
+            f"world size {world_size} is not divisible by pp={pp} (world_size % pp = "
+            f"{world_size % pp}): dp = world_size / pp must be whole; use pp in "
+            f"{_divisors(world_size)} or a world size that is a multiple of {pp}",
+            key="pp",
+        )
+    return world_size // pp
+
+
+def bubble_warning(schedule: Schedule) -> str | None:
+    """Text of the warning for ``microbatches < pp`` (accepted, as in Megatron), else ``None``.
+
+    With fewer microbatches than stages the pipeline never fills: each rank idles
+    ``(pp - 1) / m`` times its compute (``(pp - 1) / (vpp * m)`` interleaved), i.e. more than
+    it works.
+    """
+    p, m, v = schedule.pp, schedule.microbatches, schedule.vpp
+    if schedule.name == "zbv" and p >= 2 and p <= m < 2 * p:
+        simulated = simulate(schedule).bubble_ratio
+        better = simulate(build_schedule("zbv", p, 2 * p)).bubble_ratio
+        return (
+            f"schedule 'zbv' with microbatches={m} < 2*pp={2 * p}: ZB-V's bubble is near zero "
+            f"only from microbatches >= 2*pp; simulated bubble {simulated:.3f} of ideal compute "
+            f"(t_f = t_i = t_w), {better:.3f} with microbatches={2 * p}. Accepted; raise "
+            f"microbatches to {2 * p} or more."
+        )
+    if p < 2 or m >= p:
+        return None
+    simulated = simulate(schedule).bubble_ratio
+    better = simulate(build_schedule(schedule.name, p, 2 * p, vpp=v)).bubble_ratio
+    formula = f"(pp-1)/m = {p - 1}/{m}" if v == 1 else f"(pp-1)/(vpp*m) = {p - 1}/{v * m}"
+    return (
+        f"microbatches={m} < pp={p}: the pipeline never fills; each rank idles "
+        f"{simulated:.2f}x its compute time per step (bubble {formula}). Accepted (Megatron "
+        f"allows it too), but raise microbatches to at least {p} (microbatches={2 * p} gives "
+        f"{better:.2f}x)."
+    )
+
+
+def check_schedule_args(
+    schedule: str | None,
+    pp: int,
+    microbatches: int | None = None,
+    vpp: int = 1,
+    group_size: int | None = None,
+    *,
+    warn: bool = True,
+) -> Schedule:
+    """Build the schedule the strategy would run (its generator's rules, unchanged).
+
+    ``schedule=None`` picks :func:`default_schedule`; ``microbatches=None`` means ``pp``. Emits
+    a :class:`PipelineWarning` for ``microbatches < pp`` (see :func:`bubble_warning`).
+
+    Raises:
+        PreflightError: bad sizes, an unknown schedule name (with a did-you-mean), or the
+            generator's own rules (e.g. interleaved group sizes) in the generator's words.
+    """
+    _positive(pp=pp, vpp=vpp)
+    m = pp if microbatches is None else microbatches
+    _positive(microbatches=m)
+    name = schedule if schedule is not None else default_schedule(vpp)
+    try:
+        check_schedule_name(name)
+    except ValueError as e:
+        raise PreflightError(str(e), key="schedule") from None
+    if name == "1f1b" and vpp > 1:
+        raise PreflightError(
+            f"schedule '1f1b' cannot interleave: it runs one chunk per rank but vpp={vpp}; use "
+            f"schedule='interleaved' (pp={pp}, vpp={vpp}) or 'gpipe', or set vpp=1",
+            key="schedule",
+        )
+    try:
+        built = build_schedule(name, pp=pp, microbatches=m, vpp=vpp, group_size=group_size)
+    except PreflightError:
+        raise
+    except ValueError as e:
+        raise PreflightError(str(e), key="schedule") from None
+    if warn:
+        text = bubble_warning(built)
+        if text:
+            warnings.warn(text, PipelineWarning, stacklevel=2)
+    return built
+
+
+def _format_split(counts: Sequence[int | float]) -> str:
+    from .partition import format_split
+
+    return format_split(counts)
+
+
+def check_layers(
+    num_layers: int,
+    pp: int,
+    vpp: int = 1,
+    partition: str | Sequence[int] = "uniform",
+    *,
+    layer_params: Sequence[int] | None = None,
+    layer_costs: Sequence[float] | None = None,
+) -> list[range]:
+    """Cut ``num_layers`` into ``pp * vpp`` chunks (one range per virtual stage, in stage order);
+    errors show the split that would result."""
+    from .partition import partition_layers
+
+    _positive(pp=pp, vpp=vpp)
+    if not isinstance(num_layers, int) or isinstance(num_layers, bool) or num_layers < 0:
+        raise PreflightError(
+            f"num_layers must be a non-negative integer, got {num_layers!r}", key="num_layers"
+        )
+    if num_layers == 0:
+        raise PreflightError(
+            "the module has no pipeline layers (PipelineLayers with 0 layers); build self.layers "
+            "= PipelineLayers([...]) with at least pp * vpp layers in configure_model()",
+            key="num_layers",
+        )
+    k = pp * vpp
+    if isinstance(partition, str) and num_layers < k:
+        base, rem = divmod(num_layers, k)
+        empty = [base + (1 if s >= k - rem else 0) for s in range(k)]
+        fits = [v for v in range(1, vpp + 1) if pp * v <= num_layers]
+        hint = f"use vpp={fits[-1]} (pp*vpp={pp * fits[-1]})" if fits else f"use pp <= {num_layers}"
+        raise PreflightError(
+            f"cannot cut num_layers={num_layers} into pp({pp}) * vpp({vpp}) = {k} non-empty "
+            f"chunks: the split would be {_format_split(empty)} (empty stages); {hint}, or use a "
+            f"model with at least {k} layers",
+            key="num_layers",
+        )
+    try:
+        return partition_layers(
+            num_layers, pp, vpp, partition, layer_params=layer_params, layer_costs=layer_costs
+        )
+    except ValueError as e:
+        raise PreflightError(str(e), key="partition") from None
+
+
+def check_batch(
+    batch_size: int | None,
+    microbatches: int,
+    dp: int = 1,
+    *,
+    global_batch_size: int | None = None,
+) -> None:
+    """Every microbatch needs at least one sample, on every data-parallel replica.
+
+    ``batch_size`` is what one process's DataLoader yields (per dp replica; every stage of a
+    pipeline sees the same batch). It need not be a multiple of ``microbatches``: the engine
+    splits unevenly and weights each microbatch's loss by its size. ``global_batch_size``
+    (optional) must split evenly over dp.
+    """
+    _positive(microbatches=microbatches, dp=dp)
+    if global_batch_size is not None:
+        _positive(global_batch_size=global_batch_size)
+        if global_batch_size % dp:
+            raise PreflightError(
+                f"global batch size {global_batch_size} does not split over dp={dp} replicas "
+                f"(remainder {global_batch_size % dp}); use a multiple of {dp}",
+                key="global_batch_size",
+            )
+        per = global_batch_size // dp
+        if batch_size is not None and batch_size != per:
+            raise PreflightError(
+                f"global batch size {global_batch_size} / dp({dp}) = {per} per replica, but the "
+                f"per-replica batch_size is {batch_size}",
+                key="batch_size",
+            )
+        batch_size = per
+    if batch_size is None:
+        return
+    _positive(batch_size=batch_size)
+    if batch_size < microbatches:
+        src = (
+            f"global batch {global_batch_size} / dp({dp}) = {batch_size}"
+            if global_batch_size is not None
+            else f"batch size {batch_size}"
+        )
+        raise PreflightError(
+            f"{src} per replica is smaller than microbatches={microbatches}: every microbatch "
+            f"needs at least one sample; lower microbatches to <= {batch_size} or raise the "
+            f"batch size to >= {microbatches}"
+            + (f" (global batch >= {microbatches * dp})" if dp > 1 else ""),
+            key="global_batch_size" if global_batch_size is not None else "batch_size",
+        )
