@@ -127,13 +127,14 @@ def instrument(module: Any) -> None:
 
 
 def load_baseline(path: str) -> Any:
-    """Another version of ``split_backward.py`` (e.g. ``git show REV:lightning_pp/...``), as
+    """Another version of ``split_backward.py`` (e.g. ``git show REV:lightning_pp/runtime/split_backward.py``), as
     its own module: measured in the same rounds as the current one, so the machine's load
     weighs on both alike."""
     spec = importlib.util.spec_from_file_location("split_backward_baseline", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    module.__package__ = "lightning_pp"  # its relative imports resolve in the installed package
+    # its relative imports (.weight_grad_direct, ...) resolve beside the installed one
+    module.__package__ = "lightning_pp.runtime"
     sys.modules[spec.name] = module  # dataclasses look their module up
     spec.loader.exec_module(module)
     return module

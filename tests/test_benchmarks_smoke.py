@@ -158,7 +158,7 @@ def test_split_backward_cost_script(tmp_path):
 
     out = tmp_path / "cost.json"
     script = os.path.join(ROOT, "benchmarks", "split_backward_cost.py")
-    base = os.path.join(ROOT, "lightning_pp", "split_backward.py")
+    base = os.path.join(ROOT, "lightning_pp", "runtime", "split_backward.py")
     args = ["--iters", "3", "--warmup", "1", "--dim", "8", "--heads", "2", "--seq", "4"]
     subprocess.run(
         [sys.executable, script, *args, "--mb", "1", "--baseline", base, "--json", str(out)],
