@@ -133,3 +133,70 @@ def grad_errors(chunks, ref_layers) -> dict[str, float]:
                 else:
                     errs[f"{idx}.{name}"] = rel_err(p.grad, r.grad)
     return errs
+
+
+# -- a weight tied across stages, and stages whose backward cannot be split --------------
+
+
+class TiedIn(nn.Module):
+    """x (B, 6) -> tanh(x @ W.T): W (16, 6) is also the output projection of TiedOut."""
+
+    def __init__(self, weight: nn.Parameter) -> None:
+        super().__init__()
+        self.weight = weight
+
+    def forward(self, x):
+        return torch.tanh(F.linear(x, self.weight))
+
+
+class TiedOut(nn.Module):
+    def __init__(self, weight: nn.Parameter) -> None:
+        super().__init__()
+        self.weight = weight
+
+    def forward(self, h):
+        return h @ self.weight
+
+
+def tied_layers(seed: int) -> list[nn.Module]:
+    """The MLP with its first weight tied to the output projection (one Parameter object)."""
+    torch.manual_seed(seed)
+    w = nn.Parameter(torch.randn(16, 6) / 3)
+    mid = [nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(6)]
+    return [TiedIn(w), *mid, TiedOut(w)]
+
+
+def tied_batch(seed: int, batch: int):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, 6, generator=g), torch.randn(batch, 6, generator=g)
+
+
+class _CustomScale(torch.autograd.Function):
+    """x * w with a hand-written backward: it computes both gradients whatever is asked."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x * w
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return g * w, (g * x).sum(0)
+
+
+class CustomScale(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.linspace(0.5, 1.5, 16))
+
+    def forward(self, x):
+        return _CustomScale.apply(x, self.w)
+
+
+def unsplittable_layers(seed: int) -> list[nn.Module]:
+    layers = mlp_layers(seed)
+    layers[2] = nn.Sequential(layers[2], CustomScale())
+    layers[3].requires_grad_(False)  # frozen
+    layers[4] = nn.Tanh()  # no parameters
+    return layers

@@ -1,8 +1,10 @@
 """The three pipeline callbacks in one real Trainer run with PipelineStrategy (4 gloo ranks).
 
-The test launches this file as a script (Lightning's launcher re-executes it per rank), with a
-wall-clock timeout that kills the whole process tree. The script writes what rank 0 saw; the
-test checks the logged keys (CSV logger), the TensorBoard image, the trace and the PNG.
+The run is one case of the shared 4-rank Trainer world (:mod:`worlds`; a timeout kills it).
+Rank 0 writes what it saw; the test checks the logged keys (CSV logger), the TensorBoard image,
+the trace and the PNG. (Lightning's own launcher has its tests in test_strategy.py,
+test_lightning_hooks.py and test_cli_fit.py.) Also runnable as a script:
+``python tests/test_callbacks_trainer.py --out DIR``.
 """
 
 from __future__ import annotations
@@ -10,12 +12,10 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import os
-import sys
 from pathlib import Path
 
 import pytest
-from jobs import run_job
+from worlds import world
 
 PP, M, MB_SIZE, WIDTH, STEPS = 4, 8, 2, 16, 4
 T_F, T_B = 0.060, 0.120  # per stage, seconds: 8 layers, 2 per rank
@@ -82,16 +82,14 @@ def main(out: Path) -> None:
         (out / "result.json").write_text(json.dumps(result))
 
 
+def _rank(rank: int, size: int, out: str) -> None:
+    main(Path(out))
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("callbacks_trainer")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).parents[1]))
-    # kill_leftovers (default): the launcher's per-rank children share the session
-    result = run_job([sys.executable, __file__, "--out", str(out)], env=env, timeout=240)
-    log = result.output
-    if result.timed_out:
-        pytest.fail(f"Trainer run killed after 240 s:\n{log[-4000:]}")
-    assert result.returncode == 0, log[-6000:]
+    world("trainer", PP).run(_rank, str(out), timeout=240)
     return out
 
 

@@ -1,13 +1,14 @@
-"""Sharded checkpoints under the real Trainer and real gloo process groups.
+"""Sharded checkpoints under the real Trainer and real gloo process groups, every placement.
 
-Three process groups, started by ``tests/scripts/ckpt_launch.py`` (one process per rank):
+Four groups of ranks (:mod:`worlds`: torchrun-like Trainer workers, no launcher):
 
-* A (world 4): 10 straight steps and 5 steps + save, for interleaved (pp=4, vpp=2) and 1F1B
-  (pp=2 x dp=2);
-* B (world 4, NEW processes): resume both for 5 steps at the same shape, and reshard: the
-  interleaved checkpoint at dp=2 x pp=2 and the 1F1B one at pp=4 vpp=2;
-* C (world 2): the interleaved checkpoint at pp=2 vpp=1, then a run whose rank 1 dies half-way
-  through its second save.
+* A (the shared 4-rank world): 10 straight steps and 5 steps + save, for interleaved (pp=4,
+  vpp=2), 1F1B (pp=2 x dp=2) and zbv (pp=4, V placement);
+* B (4 NEW processes, a world of its own): resume at the same shape, reshard (the interleaved
+  checkpoint at dp=2 x pp=2, the 1F1B one at pp=4 vpp=2) and cross placements (zbv ->
+  interleaved, interleaved -> zbv); each continues the original run;
+* C (the shared 2-rank world): the interleaved checkpoint at pp=2 vpp=1;
+* a 2-rank world whose rank 1 dies half-way through its second save.
 
 Then, in this process: ``lightning-pp consolidate`` (plain state_dict and full Lightning
 checkpoint) and a plain single-process Trainer resuming from the latter.
@@ -26,8 +27,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "scripts"))
 
-from ckpt_launch import launch  # noqa: E402
+from distributed import DistributedFailure  # noqa: E402
 from pp_common import MODEL_KW  # noqa: E402
+from worlds import World, script_main, world  # noqa: E402
 
 from lightning_pp.checkpoint.sharded import (  # noqa: E402
     CheckpointError,
@@ -41,6 +43,7 @@ from lightning_pp.models import GPT  # noqa: E402
 pytestmark = pytest.mark.timeout(600)
 
 IL = {"pp": 4, "vpp": 2, "microbatches": 4}  # interleaved
+ZBV = {"pp": 4, "microbatches": 8, "schedule": "zbv"}  # vpp unset: zbv's own 2
 FB = {"pp": 2, "microbatches": 2}  # 1f1b, dp = 2 at world 4
 EXACT_TOL = 1e-7
 RESHARD_TOL = 1e-6
@@ -58,51 +61,74 @@ def _check_launch(result: dict, what: str) -> None:
     assert result["codes"] == [0] * len(result["codes"]), f"{what}:\n{result['output']}"
 
 
+def _group(world: World, out: Path, phases: list[dict]) -> None:
+    """The phases in sequence on every rank of ``world`` (one case: ckpt_run's main)."""
+    out.mkdir(parents=True, exist_ok=True)
+    argv = ["--out", str(out), "--phases", json.dumps(phases)]
+    world.run(script_main, "ckpt_run", argv, timeout=400)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("ckpt")
-    il_ckpt, fb_ckpt = out / "il_ckpt", out / "fb_ckpt"
-    a = launch(
-        4,
+    il_ckpt, fb_ckpt, zbv_ckpt = out / "il_ckpt", out / "fb_ckpt", out / "zbv_ckpt"
+    # group A in the shared Trainer world: train, and save at step 5
+    _group(
+        world("trainer", 4),
+        out / "a",
         [
             _phase("il_full", IL, max_steps=10),
             _phase("il_save", IL, max_steps=5, every=5, ckpt_dir=str(il_ckpt)),
             _phase("fb_full", FB, max_steps=10, best_dir=str(out / "fb_best")),
             _phase("fb_save", FB, max_steps=5, every=5, ckpt_dir=str(fb_ckpt)),
+            _phase("zbv_full", ZBV, max_steps=10),
+            _phase("zbv_save", ZBV, max_steps=5, every=5, ckpt_dir=str(zbv_ckpt)),
         ],
-        out / "a",
     )
-    _check_launch(a, "group A (train + save)")
     il5, fb5 = str(il_ckpt / "step=5.ckpt"), str(fb_ckpt / "step=5.ckpt")
-    b = launch(
-        4,
-        [
-            _phase("il_resume", IL, max_steps=10, resume=il5),
-            _phase("fb_resume", FB, max_steps=10, resume=fb5),
-            _phase("il_to_dp2pp2", {"pp": 2, "microbatches": 2}, max_steps=10, resume=il5),
-            _phase("fb_to_pp4vpp2", IL, max_steps=10, resume=fb5),
-        ],
-        out / "b",
-    )
-    _check_launch(b, "group B (new processes: resume, reshard)")
-    c = launch(
-        2,
-        [
-            _phase("il_to_pp2", {"pp": 2, "microbatches": 4}, max_steps=10, resume=il5),
-            # saves at steps 2 and 4; rank 1 dies inside its second optimizer-file write
-            _phase(
-                "crash",
-                {"pp": 2, "microbatches": 2},
-                max_steps=6,
-                every=2,
-                ckpt_dir=str(out / "crash_ckpt"),
-                fail_rank=1,
-                fail_save=2,
-            ),
-        ],
+    zbv5 = str(zbv_ckpt / "step=5.ckpt")
+    # group B in new processes (a world of its own): resume, reshard, across placements
+    fresh = World("trainer", 4)
+    try:
+        _group(
+            fresh,
+            out / "b",
+            [
+                _phase("il_resume", IL, max_steps=10, resume=il5),
+                _phase("fb_resume", FB, max_steps=10, resume=fb5),
+                _phase("il_to_dp2pp2", {"pp": 2, "microbatches": 2}, max_steps=10, resume=il5),
+                _phase("fb_to_pp4vpp2", IL, max_steps=10, resume=fb5),
+                _phase("zbv_to_il", IL, max_steps=10, resume=zbv5),
+                _phase("il_to_zbv", ZBV, max_steps=10, resume=il5),
+            ],
+        )
+    finally:
+        fresh.close()
+    _group(
+        world("trainer", 2),
         out / "c",
+        [_phase("il_to_pp2", {"pp": 2, "microbatches": 4}, max_steps=10, resume=il5)],
     )
-    return {"out": out, "il5": il5, "fb5": fb5, "crash": c}
+    # a rank that dies inside a save: saves at steps 2 and 4; rank 1 dies inside its second
+    # optimizer-file write (os._exit(17)), so the world is lost: one of its own
+    doomed = World("trainer", 2)
+    crash_phase = _phase(
+        "crash",
+        {"pp": 2, "microbatches": 2},
+        max_steps=6,
+        every=2,
+        ckpt_dir=str(out / "crash_ckpt"),
+        fail_rank=1,
+        fail_save=2,
+    )
+    try:
+        _group(doomed, out / "crash", [crash_phase])
+        crash: DistributedFailure | None = None
+    except DistributedFailure as failure:
+        crash = failure
+    finally:
+        doomed.close()
+    return {"out": out, "il5": il5, "fb5": fb5, "zbv5": zbv5, "crash": crash}
 
 
 def _losses(out: Path, group: str, name: str, world: int) -> list[float]:
@@ -141,11 +167,15 @@ def test_kill_and_resume_is_exact(runs, cfg):
         ("il_to_dp2pp2", "b", 4, "il"),
         ("il_to_pp2", "c", 2, "il"),
         ("fb_to_pp4vpp2", "b", 4, "fb"),
+        # across placements: V (zbv) to loop (interleaved) and back
+        ("zbv_to_il", "b", 4, "zbv"),
+        ("il_to_zbv", "b", 4, "il"),
     ],
 )
 def test_reshard_continues_the_original_run(runs, name, group, world, source):
     out = runs["out"]
     full = _losses(out, "a", f"{source}_full", 4)
+    assert _losses(out, "a", f"{source}_save", 4) == full[:5]
     resumed = _losses(out, group, name, world)
     errs = _rel(resumed, full[5:])
     # the first step after loading checks the weights; the others optimizer + scheduler state
@@ -261,12 +291,11 @@ def test_consolidated_state_dict_loads_strictly_into_plain_module(runs, tmp_path
 
 # ---------------------------------------------------------------------------- atomicity
 def test_crash_during_save_leaves_previous_checkpoint_loadable(runs):
-    c = runs["crash"]
-    assert c["codes"][1] == 17, c["output"]  # the injected os._exit
-    assert c["codes"][0] != 0
+    crash = runs["crash"]
+    assert crash is not None, "the rank meant to die inside its save did not"
+    assert "exited with code 17" in crash.failures[1], crash  # the injected os._exit
+    assert 0 in crash.failures and 0 not in crash.results, crash  # rank 0 did not finish
     out = runs["out"]
-    # the phase before the crash, in the same processes, completed
-    assert len(_losses(out, "c", "il_to_pp2", 2)) == 5
     ckpt_dir = out / "crash_ckpt"
     names = sorted(p.name for p in ckpt_dir.iterdir())
     assert "step=2.ckpt" in names and "step=4.ckpt" not in names, names
@@ -293,3 +322,23 @@ def test_loading_refuses_incomplete_or_foreign_paths(tmp_path):
     with pytest.raises(CheckpointError, match="no index.json"):
         read_index(d)
     assert cli_main(["consolidate", str(d), str(tmp_path / "o.pt")]) == 2
+
+
+# ---------------------------------------------------------------------------- zero-bubble
+def test_zbv_checkpoint_records_its_shape(runs):
+    index = read_index(runs["zbv5"])
+    assert index["layout"]["pp"] == 4 and index["layout"]["vpp"] == 2
+
+
+def test_plain_trainer_resumes_from_consolidated_zbv_checkpoint(runs, tmp_path):
+    from ckpt_run import run_phase
+
+    full_ckpt = tmp_path / "full.ckpt"
+    assert cli_main(["consolidate", runs["zbv5"], str(full_ckpt), "--lightning"]) == 0
+    torch.set_num_threads(1)
+    result = run_phase(
+        {"name": "plain", "pp": 0, "max_steps": 10, "resume": str(full_ckpt)}, str(tmp_path), 1
+    )
+    full = _losses(runs["out"], "a", "zbv_full", 4)
+    errs = _rel(result["train_loss"], full[5:])
+    assert max(errs) <= RESHARD_TOL, errs

@@ -76,7 +76,9 @@ def test_lightning_cli_trains_with_pipeline_strategy(tmp_path):
     result = run_job(cmd, env=env, cwd=ROOT, timeout=300)
     assert not result.timed_out and result.returncode == 0, result.describe(6000)
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
-    assert [d["strategy"] for d in ranks] == ["lightning_pp.strategy.pipeline_strategy.PipelineStrategy"] * 2
+    assert [d["strategy"] for d in ranks] == [
+        "lightning_pp.strategy.pipeline_strategy.PipelineStrategy"
+    ] * 2
     assert [(d["pp"], d["pp_rank"]) for d in ranks] == [(2, 0), (2, 1)]
     assert ranks[0]["layers"] == [0, 1] and ranks[1]["layers"] == [2, 3]  # 4 layers, cut in two
     losses = ranks[0]["train_loss"]

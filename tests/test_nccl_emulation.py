@@ -15,54 +15,28 @@ send to the other, and post their data receive only once the header arrived).
 
 from __future__ import annotations
 
-import copy
 import os
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
-from distributed import run_distributed
-from engine_models import (
-    grad_errors,
-    make_chunks,
-    mlp_batch,
-    mlp_layers,
-    mse_loss,
-    run_reference,
-    tuple_batch,
-    tuple_input_fn,
-    tuple_layers,
-)
+from engine_grid import case, case_problem, run_case
+from worlds import World
 
-from lightning_pp.layout.partition import PipelineChunk, partition_layers
 from lightning_pp.layout.topology import PipelineTopology, ProcessGroups
-from lightning_pp.runtime.engine import PipelineEngine
 from lightning_pp.runtime.failure import FailureMonitor
 from lightning_pp.runtime.nccl_emulation import ENV_VAR
 from lightning_pp.runtime.p2p import P2PCommunicator
 from lightning_pp.runtime.p2p_wire import ACT, GRAD, Message, RecvRequest
-from lightning_pp.schedules import Action, Op, Schedule, build_schedule
 
 WORLD = 4
 STEPS = 3
-TOL = 1e-6
 WATCHDOG = 10.0  # a case that deadlocks is reported after this long (passing cases take < 1 s)
-SEQ_LENS = [5, 7, 3]
 
 
 def _case(schedule, pp, vpp, m, **kw):
-    c = dict(schedule=schedule, pp=pp, vpp=vpp, m=m, model="mlp", group=None, static=False)
-    c.update(batch=10, lookahead=None)
-    c.update(kw)
-    c["id"] = (
-        f"{c['model']}-{schedule}-pp{pp}-vpp{vpp}-m{m}"
-        + (f"-N{c['group']}" if c["group"] else "")
-        + ("-static" if c["static"] else "")
-        + (f"-b{c['batch']}" if c["batch"] != 10 else "")
-        + (f"-L{c['lookahead']}" if c["lookahead"] else "")
-    )
-    return c
+    return case(schedule, pp, m, vpp=vpp, steps=STEPS, **kw)
 
 
 GRID = [
@@ -106,35 +80,6 @@ GRID += [
 ]
 
 
-def v_schedule(pp: int, m: int) -> Schedule:
-    """GPipe order over a V placement (rank r holds stages r and 2p-1-r)."""
-    order = [Action(Op.F, mb, c) for c in (0, 1) for mb in range(m)]
-    order += [Action(Op.B, mb, c) for c in (1, 0) for mb in range(m)]
-    return Schedule("gpipe-v", pp, 2, m, tuple(tuple(order) for _ in range(pp)), placement="v")
-
-
-def _schedule(case) -> Schedule:
-    if case["schedule"] == "gpipe-v":
-        return v_schedule(case["pp"], case["m"])
-    return build_schedule(
-        case["schedule"],
-        pp=case["pp"],
-        microbatches=case["m"],
-        vpp=case["vpp"],
-        group_size=case["group"],
-    )
-
-
-def _chunks(layers, case, topo, schedule):
-    if schedule.placement == "loop":
-        return make_chunks(layers, case["pp"], case["vpp"], topo.pp_rank)
-    ranges = partition_layers(len(layers), case["pp"], schedule.vpp)
-    return [
-        PipelineChunk([copy.deepcopy(layers[i]) for i in ranges[s]], ranges[s])
-        for s in schedule.stages_of(topo.pp_rank)
-    ]
-
-
 def _fresh(topo: PipelineTopology, name: str, watchdog: float):
     """A fresh pp group (one per pipeline, same creation order everywhere) and abort namespace,
     and the monitor NCCL gets (it polls ``is_completed()``)."""
@@ -158,67 +103,14 @@ def _fresh(topo: PipelineTopology, name: str, watchdog: float):
     return groups, monitor
 
 
-def _run_case(rank, case, index):
-    """Train STEPS steps of ``case`` on this rank and the reference; ``case["device"]`` (default
-    cpu) is where the model and data live (benchmarks/gpu_check.py runs this on CUDA/NCCL)."""
-    pp = case["pp"]
-    device = torch.device(case.get("device", "cpu"))
-    topo = PipelineTopology.from_world(dist.get_world_size(), rank, pp)
-    groups, monitor = _fresh(topo, f"nccl-case{index}", case.get("watchdog", WATCHDOG))
-    schedule = _schedule(case)
-    seed = 1234
-    if case["model"] == "mlp":
-        layers, input_fn = mlp_layers(seed), None
-        batches = [mlp_batch(seed + 100 * topo.dp_rank + s, case["batch"]) for s in range(STEPS)]
-    else:
-        layers, input_fn = tuple_layers(seed), tuple_input_fn
-        batches = [
-            tuple_batch(seed + 100 * topo.dp_rank + s, case["batch"], SEQ_LENS[s])
-            for s in range(STEPS)
-        ]
-    loss_fn = mse_loss("mean")
-    layers = [layer.to(device) for layer in layers]
-    batches = [_to(b, device) for b in batches]
-    ref_layers = copy.deepcopy(layers)
-    chunks = _chunks(layers, case, topo, schedule)
-    engine = PipelineEngine(
-        chunks,
-        schedule,
-        topo,
-        groups,
-        loss_fn=loss_fn,
-        input_fn=input_fn,
-        static_shapes=case["static"],
-        recv_lookahead=case["lookahead"],
-        failure_monitor=monitor,
-    )
-    out = dict(losses=[], ref_losses=[], grad_err=0.0, worst="")
-    out["lookahead"] = engine.recv_lookahead
-    out["emulating"] = engine.comm.emulating_nccl
-    params = [p for c in chunks for p in c.parameters()]
-    ref_params = [p for layer in ref_layers for p in layer.parameters()]
-    opt = torch.optim.SGD(params, lr=0.05, momentum=0.9)
-    ref_opt = torch.optim.SGD(ref_params, lr=0.05, momentum=0.9)
-    ref_input = input_fn or (lambda b: b[0])
-    res = engine.eval_step(batches[0])
-    with torch.no_grad():
-        x = ref_input(batches[0])
-        for layer in ref_layers:
-            x = layer(x)
-        out["eval"] = (res.loss.item(), loss_fn(x, batches[0]).item())
-    for step, batch in enumerate(batches):
-        res = engine.train_step(batch)
-        out["losses"].append(res.loss.item())
-        out["ref_losses"].append(run_reference(ref_layers, batch, loss_fn, ref_input).item())
-        if step == 0:
-            for name, e in grad_errors(chunks, ref_layers).items():
-                if e > out["grad_err"]:
-                    out["grad_err"], out["worst"] = e, f"layer {name}"
-        for o in (opt, ref_opt):
-            o.step()
-            o.zero_grad()
-    out["batches"] = engine.comm._stream.batches if engine.comm._stream is not None else 0
-    return out
+def _run_case(rank, c, index):
+    """Train ``c`` on this rank and the reference (:func:`engine_grid.run_case`) on a fresh pp
+    group and abort namespace; ``c["device"]`` (default cpu) is where the model and data live
+    (benchmarks/gpu_check.py runs this on CUDA/NCCL)."""
+    topo = PipelineTopology.from_world(dist.get_world_size(), rank, c["pp"])
+    groups, monitor = _fresh(topo, f"nccl-case{index}", c.get("watchdog", WATCHDOG))
+    device = torch.device(c.get("device", "cpu"))
+    return run_case(rank, c, groups, monitor=monitor, device=device)
 
 
 # ---- what the emulation must catch (communicator level, pp=2: rank 0 holds stages 0 and 2) ----
@@ -298,39 +190,17 @@ FAULTS = [
 ]
 
 
-def _to(batch, device):
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device)
-    return type(batch)(_to(b, device) for b in batch)
-
-
-def case_problem(r: dict) -> str | None:
-    """What is wrong with one rank's result of a grid case (None: within TOL of the
-    unpipelined reference)."""
-    if "error" in r:
-        return r["error"]
-    for step, (got, ref) in enumerate(zip(r["losses"], r["ref_losses"])):
-        if _rel(got, ref) > TOL:
-            return f"step {step}: loss {got} != reference {ref}"
-    if r["grad_err"] > TOL:
-        return f"grad rel err {r['grad_err']:.3g} at {r['worst']}"
-    got, ref = r["eval"]
-    if _rel(got, ref) > TOL:
-        return f"eval loss {got} != reference {ref}"
-    return None
-
-
 def _grid_worker(rank, world_size, cases):
     os.environ[ENV_VAR] = "1"
     out = {}
     t0 = time.perf_counter()
-    for index, case in enumerate(cases):
+    for index, c in enumerate(cases):
         t = time.perf_counter()
         try:
-            out[case["id"]] = _run_case(rank, case, index)
+            out[c["id"]] = _run_case(rank, c, index)
         except Exception as e:
-            out[case["id"]] = {"error": f"{type(e).__name__}: {e}"}
-        out[case["id"]]["seconds"] = time.perf_counter() - t
+            out[c["id"]] = {"error": f"{type(e).__name__}: {e}"}
+        out[c["id"]]["seconds"] = time.perf_counter() - t
     out["seconds"] = time.perf_counter() - t0
     for index, (kind, emulate) in enumerate(FAULTS):
         t = time.perf_counter()
@@ -342,8 +212,13 @@ def _grid_worker(rank, world_size, cases):
 
 @pytest.fixture(scope="module")
 def grid():
+    """A world of its own (its fault cases leave broken groups and stuck waits behind)."""
     t0 = time.perf_counter()
-    results = run_distributed(_grid_worker, WORLD, GRID, timeout=400)
+    own = World("gloo", WORLD)
+    try:
+        results = own.run(_grid_worker, GRID, timeout=400)
+    finally:
+        own.close()
     print(f"\nNCCL-emulated grid, {len(GRID)} cases in one world: {time.perf_counter() - t0:.1f}s")
     return results
 

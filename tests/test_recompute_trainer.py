@@ -19,7 +19,6 @@ prediction on every rank and step.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -31,8 +30,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "tests" / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 
-from jobs import run_job, torchrun_command  # noqa: E402
 from pp_common import MODEL_KW, STEPS, Data, Recorder, make_trainer  # noqa: E402
+from worlds import script_main, world  # noqa: E402
 
 from lightning_pp.models import GPT  # noqa: E402
 
@@ -52,25 +51,10 @@ BLOCKS = range(1, MODEL_KW["n_layer"] + 1)
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory) -> dict[str, list[dict]]:
+    """Every configuration in one case of the shared Trainer world of PP ranks."""
     out = tmp_path_factory.mktemp("recompute_trainer")
-    cmd = torchrun_command(
-        PP,
-        str(SCRIPTS / "recompute_run.py"),
-        "--out",
-        str(out),
-        "--configs",
-        json.dumps(CONFIGS),
-    )
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "PYTHONUNBUFFERED": "1",
-        "PYTHONPATH": str(ROOT),
-    }
-    # kill_leftovers (default): torchrun's workers run in their own sessions; all are killed
-    result = run_job(cmd, env=env, cwd=ROOT, timeout=900)
-    if result.timed_out or result.returncode != 0:
-        pytest.fail(result.describe(6000))
+    argv = ["--out", str(out), "--configs", json.dumps(CONFIGS)]
+    world("trainer", PP).run(script_main, "recompute_run", argv, timeout=900)
     return {
         c["name"]: [json.loads((out / f"{c['name']}.rank{r}.json").read_text()) for r in range(PP)]
         for c in CONFIGS

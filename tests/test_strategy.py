@@ -1,9 +1,13 @@
-"""PipelineStrategy under the real Trainer and real gloo process groups.
+"""PipelineStrategy under the real Trainer and real gloo process groups, every schedule.
 
-The expensive parts run once per module: two single-process reference runs (plain Trainer) in
-this process, one 4-process torchrun job that trains four pipeline configurations in sequence,
-one 2-process job started by Lightning's own launcher (``Trainer(devices=2)``), and one
-"two nodes on loopback" job. Each rank writes a JSON file; the tests compare them.
+The tied-embedding GPT trains 10 steps under each configuration, with gradient clipping,
+validation, checkpointing, accumulation, DP x PP and bf16-mixed; losses and metrics must be
+within 1e-5 of a plain Trainer's. The expensive parts run once per module: two single-process
+reference runs (plain Trainer) in this process; one case of the shared 4-rank Trainer world
+(:mod:`worlds`: torchrun-like workers, no launcher) that trains the eight 4-process
+configurations in sequence, and one of the 2-rank world for bf16-mixed; one 2-process job
+started by Lightning's own launcher (``Trainer(devices=2)``, the launcher's test), and one "two
+nodes on loopback" torchrun job. Each rank writes a JSON file; the tests compare them.
 """
 
 from __future__ import annotations
@@ -21,23 +25,39 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "tests" / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 
-from jobs import free_port, run_job, torchrun_command  # noqa: E402
-from pp_common import run_reference  # noqa: E402
+from jobs import free_port, run_job  # noqa: E402
+from pp_common import MODEL_KW, run_reference  # noqa: E402
+from worlds import World, script_main, world  # noqa: E402
 
 REL_TOL = 1e-5
 
-# world 4: pp x dp in {4x1, 2x2}, vpp in {1, 2}, accumulate_grad_batches in {1, 2}
+# world 4: pp x dp in {4x1, 2x2}, vpp in {1, 2}, accumulate_grad_batches in {1, 2}, every
+# schedule (gpipe's order is 1f1b's without the interleaving: covered at engine level)
 FOUR = [
     {"name": "pp4", "pp": 4, "microbatches": 4, "accumulate": 1},
     {"name": "pp4_vpp2_acc2", "pp": 4, "vpp": 2, "microbatches": 4, "accumulate": 2},
     {"name": "pp2_vpp2_dp2", "pp": 2, "vpp": 2, "microbatches": 2, "accumulate": 1},
     # tiny buckets: each chunk's gradients go out in several all-reduces
     {"name": "pp2_dp2_acc2", "pp": 2, "microbatches": 4, "accumulate": 2, "bucket_cap_mb": 0.01},
+    {"name": "zbh1_pp4", "pp": 4, "microbatches": 4, "accumulate": 1, "schedule": "zb-h1"},
+    # zbv with vpp unset: the schedule's own 2 chunks per rank (8 stages of one layer)
+    {"name": "zbv_pp4", "pp": 4, "microbatches": 8, "accumulate": 1, "schedule": "zbv"},
+    {"name": "zbv_pp2_dp2_acc2", "pp": 2, "microbatches": 4, "accumulate": 2, "schedule": "zbv"},
+    {"name": "zbh1_pp2_dp2", "pp": 2, "microbatches": 2, "accumulate": 1, "schedule": "zb-h1"},
 ]
+# Lightning's own launcher (python script.py with Trainer(devices=2)): one configuration
+LAUNCHER = [{"name": "pp2", "pp": 2, "microbatches": 4, "accumulate": 1}]
+# precision, in the 2-rank world
 TWO = [
-    {"name": "pp2", "pp": 2, "microbatches": 4, "accumulate": 1},
-    {"name": "pp2_vpp2", "pp": 2, "vpp": 2, "microbatches": 4, "accumulate": 1},
     {"name": "pp2_bf16", "pp": 2, "microbatches": 2, "accumulate": 1, "precision": "bf16-mixed"},
+    {
+        "name": "zbv_pp2_bf16",
+        "pp": 2,
+        "microbatches": 4,
+        "accumulate": 1,
+        "schedule": "zbv",
+        "precision": "bf16-mixed",
+    },
 ]
 TWO_NODES = [FOUR[3]]
 
@@ -70,23 +90,17 @@ def references(tmp_path_factory) -> dict[int, dict]:
 
 @pytest.fixture(scope="module")
 def four_proc(tmp_path_factory) -> dict[str, list[dict]]:
+    """Four ranks of a shared Trainer world (each a torchrun-like worker, no launcher)."""
     out = tmp_path_factory.mktemp("four")
-    cmd = torchrun_command(
-        4,
-        str(SCRIPTS / "pp_run.py"),
-        "--out",
-        str(out),
-        "--configs",
-        json.dumps(FOUR),
-    )
-    _run(cmd, timeout=400)
+    argv = ["--out", str(out), "--configs", json.dumps(FOUR)]
+    world("trainer", 4).run(script_main, "pp_run", argv, timeout=400)
     return _load(out, FOUR, 4)
 
 
 @pytest.fixture(scope="module")
-def two_proc(tmp_path_factory) -> dict[str, list[dict]]:
+def launcher_proc(tmp_path_factory) -> dict[str, list[dict]]:
     """Plain ``python script.py`` with Trainer(devices=2): Lightning's subprocess launcher."""
-    out = tmp_path_factory.mktemp("two")
+    out = tmp_path_factory.mktemp("launcher")
     cmd = [
         sys.executable,
         str(SCRIPTS / "pp_run.py"),
@@ -95,10 +109,19 @@ def two_proc(tmp_path_factory) -> dict[str, list[dict]]:
         "--out",
         str(out),
         "--configs",
-        json.dumps(TWO),
+        json.dumps(LAUNCHER),
     ]
     env = {"MASTER_PORT": str(free_port()), "MASTER_ADDR": "127.0.0.1"}
     _run(cmd, timeout=300, env=env)
+    return _load(out, LAUNCHER, 2)
+
+
+@pytest.fixture(scope="module")
+def two_proc(tmp_path_factory) -> dict[str, list[dict]]:
+    """The bf16-mixed configurations in the shared 2-rank Trainer world."""
+    out = tmp_path_factory.mktemp("two")
+    argv = ["--out", str(out), "--configs", json.dumps(TWO)]
+    world("trainer", 2).run(script_main, "pp_run", argv, timeout=300)
     return _load(out, TWO, 2)
 
 
@@ -130,13 +153,13 @@ def test_four_processes_match_single_process(four_proc, references, cfg):
     _check_against_reference(ranks, references[cfg["accumulate"]])
 
 
-@pytest.mark.parametrize("name", ["pp2", "pp2_vpp2"])
-def test_lightning_launcher_matches_single_process(two_proc, references, name):
-    _check_against_reference(two_proc[name], references[1])
+def test_lightning_launcher_matches_single_process(launcher_proc, references):
+    _check_against_reference(launcher_proc["pp2"], references[1])
 
 
-def test_bf16_mixed_trains_close_to_fp32(two_proc, references):
-    ranks = two_proc["pp2_bf16"]
+@pytest.mark.parametrize("name", ["pp2_bf16", "zbv_pp2_bf16"])
+def test_bf16_mixed_trains_close_to_fp32(two_proc, references, name):
+    ranks = two_proc[name]
     losses = ranks[0]["train_loss"]
     assert all(math.isfinite(x) for x in losses)
     # bf16 autocast keeps ~3 significant digits: close to fp32, not equal
@@ -151,8 +174,10 @@ def test_each_rank_holds_only_its_layers(four_proc, cfg):
     held = []
     for d in ranks:
         assert d["local_layers"] == d["expected_layers"]
-        # parameters and storage are exactly this rank's layers, nothing of other stages
-        assert d["param_count"] == d["expected_param_count"]
+        # parameters and storage are exactly this rank's layers, nothing of other stages;
+        # under V placement rank 0 holds both tied layers: one shared parameter, counted once
+        shared = MODEL_KW["vocab_size"] * MODEL_KW["n_embd"] if len(d["tied"]) == 2 else 0
+        assert d["param_count"] == d["expected_param_count"] - shared
         assert d["storage_bytes"] == d["param_bytes"]
         if d["dp_rank"] == 0:
             held += d["local_layers"]
@@ -165,6 +190,32 @@ def test_tied_copies_bitwise_equal_after_training(four_proc, cfg):
     # embedding on the first stage, head on the last: a copy on each, every replica
     assert len(digests) == 2 * (4 // cfg["pp"])
     assert len(set(digests)) == 1
+
+
+def test_zbv_places_first_and_last_stage_on_rank_0(four_proc):
+    """V placement: the tied embedding and head both live on pipeline rank 0 (one parameter)."""
+    for d in four_proc["zbv_pp4"]:
+        assert len(d["layer_ranges"]) == 8
+        if d["pp_rank"] == 0:
+            assert d["local_layers"] == [0, 7]
+    digests = [v for d in four_proc["zbv_pp4"] for v in d["tied"].values()]
+    assert len(set(digests)) == 1
+
+
+@pytest.mark.parametrize("name", ["zbv_pp2_dp2_acc2", "zbh1_pp2_dp2"])
+def test_deferred_allreduce_after_last_w(four_proc, name):
+    """dp=2 under zero-bubble: one async all-reduce per bucket, launched inside the chunk's LAST
+    W event."""
+    cfg = next(c for c in FOUR if c["name"] == name)
+    for d in four_proc[name]:
+        for i, step in enumerate(d["sync"]):
+            if (i + 1) % cfg["accumulate"]:
+                assert step["calls"] == 0
+                continue
+            assert step["calls"] == step["buckets"] == len(step["launches"])
+            for ev in step["launches"]:
+                last = step["last_b"][str(ev["chunk"])]
+                assert last["start"] <= ev["t"] <= last["end"]
 
 
 @pytest.mark.parametrize("name", ["pp2_vpp2_dp2", "pp2_dp2_acc2"])
@@ -250,54 +301,58 @@ def test_layer_split_check_is_preflight_and_shows_the_split():
     assert strategy.stage_build.select(layout, None, SimpleNamespace(num_layers=4)) == [0, 2]
 
 
-SMALL_BATCH_SCRIPT = """
-import sys
-import lightning as L
-import torch
-import torch.nn.functional as F
-from torch.utils.data import DataLoader, TensorDataset
-from lightning_pp import PipelineLayers, PipelineMixin, PipelineStrategy
+def _small_batch(rank: int, size: int) -> str:
+    """A batch of 2 samples for microbatches=4: what each rank ends with."""
+    import lightning as L
+    import torch.nn.functional as F
+    from torch.utils.data import DataLoader, TensorDataset
 
-class Net(PipelineMixin, L.LightningModule):
-    def configure_model(self):
-        if getattr(self, "layers", None) is None:
-            self.layers = PipelineLayers([lambda: torch.nn.Linear(4, 4) for _ in range(2)])
-    def pipeline_input(self, batch):
-        return batch[0]
-    def pipeline_loss(self, output, batch):
-        return F.mse_loss(output, batch[1])
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
+    from lightning_pp import PipelineLayers, PipelineMixin, PipelineStrategy
 
-torch.set_num_threads(1)
-data = TensorDataset(torch.randn(8, 4), torch.randn(8, 4))
-trainer = L.Trainer(accelerator="cpu", devices=2, max_steps=1, logger=False,
-                    strategy=PipelineStrategy(pp=2, microbatches=4, watchdog_timeout=30.0),
-                    use_distributed_sampler=False, enable_progress_bar=False,
-                    enable_model_summary=False, enable_checkpointing=False)
-try:
-    trainer.fit(Net(), DataLoader(data, batch_size=2))
-except Exception as e:
-    print(f"RANK {trainer.global_rank} ENDED WITH {type(e).__name__}: {e}", flush=True)
-    sys.exit(3)
-print(f"RANK {trainer.global_rank} TRAINED", flush=True)
-"""
+    class Net(PipelineMixin, L.LightningModule):
+        def configure_model(self):
+            if getattr(self, "layers", None) is None:
+                self.layers = PipelineLayers([lambda: torch.nn.Linear(4, 4) for _ in range(2)])
+
+        def pipeline_input(self, batch):
+            return batch[0]
+
+        def pipeline_loss(self, output, batch):
+            return F.mse_loss(output, batch[1])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    data = TensorDataset(torch.randn(8, 4), torch.randn(8, 4))
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        max_steps=1,
+        logger=False,
+        strategy=PipelineStrategy(pp=2, microbatches=4, watchdog_timeout=30.0),
+        use_distributed_sampler=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
+    try:
+        trainer.fit(Net(), DataLoader(data, batch_size=2))
+    except Exception as e:
+        return f"ENDED WITH {type(e).__name__}: {e}"
+    return "TRAINED"
 
 
-def test_batch_smaller_than_microbatches_fails_on_every_rank_without_hanging(tmp_path):
-    script = tmp_path / "small_batch.py"
-    script.write_text(SMALL_BATCH_SCRIPT)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT))
-    # kill_leftovers (default): Lightning's per-rank child shares the session, leave none behind
-    result = run_job([sys.executable, str(script)], env=env, cwd=tmp_path, timeout=180)
-    out = result.output
-    if result.timed_out:
-        pytest.fail(f"the job hung on a batch smaller than microbatches:\n{out[-4000:]}")
-    assert result.returncode != 0, out[-4000:]
-    for rank in range(2):
+def test_batch_smaller_than_microbatches_fails_on_every_rank_without_hanging():
+    """Both ranks raise the preflight error themselves, before communicating: none is left
+    waiting for the other. (A world of its own: the failure marks its store.)"""
+    own = World("trainer", 2)
+    try:
+        ended = own.run(_small_batch, timeout=120)  # a hang would fail here, after 120 s
+    finally:
+        own.close()
+    for rank, text in enumerate(ended):
         want = (
-            f"RANK {rank} ENDED WITH PreflightError: rank {rank}: batch size 2 per replica is "
-            f"smaller than microbatches=4"
+            f"ENDED WITH PreflightError: rank {rank}: batch size 2 per replica is smaller "
+            f"than microbatches=4"
         )
-        assert want in out, out[-4000:]
-    assert "TRAINED" not in out
+        assert text.startswith(want), (rank, text)

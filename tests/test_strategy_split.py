@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 from pathlib import Path
 
@@ -27,8 +26,8 @@ SCRIPTS = ROOT / "tests" / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 
 from byom_models import model_fn  # noqa: E402
-from jobs import free_port, run_job  # noqa: E402
 from split_common import CausalLM, run_reference  # noqa: E402
+from worlds import script_main, world  # noqa: E402
 
 from lightning_pp.autosplit import meta_build  # noqa: E402
 from lightning_pp.checkpoint.sharded import consolidate_checkpoint  # noqa: E402
@@ -94,26 +93,8 @@ BY_NAME = {c["name"]: c for c in CONFIGS}
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> tuple[Path, dict[str, list[dict]]]:
     out = tmp_path_factory.mktemp("split")
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "4",
-        "--master_addr",
-        "127.0.0.1",
-        "--master_port",
-        str(free_port()),
-        str(SCRIPTS / "split_run.py"),
-        "--out",
-        str(out),
-        "--configs",
-        json.dumps(CONFIGS),
-    ]
-    env = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)}
-    result = run_job(cmd, env={**os.environ, **env}, cwd=ROOT, timeout=1000)
-    if result.timed_out or result.returncode != 0:
-        pytest.fail(result.describe(6000))
+    argv = ["--out", str(out), "--configs", json.dumps(CONFIGS)]
+    world("trainer", 4).run(script_main, "split_run", argv, timeout=1000)
     data = {
         c["name"]: [json.loads((out / f"{c['name']}.rank{r}.json").read_text()) for r in range(4)]
         for c in CONFIGS

@@ -16,8 +16,6 @@ Output: DIR/<name>.rank<r>.json.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
 from datetime import timedelta
@@ -30,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import lightning as L  # noqa: E402
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
-from pp_common import GLOBAL_BATCH, MODEL_KW, Data, Recorder, dump  # noqa: E402
+from pp_common import GLOBAL_BATCH, MODEL_KW, Data, Recorder, configs_main, dump  # noqa: E402
 
 import lightning_pp.checkpoint.sharded as ckpt_mod  # noqa: E402
 from lightning_pp import PipelineStrategy  # noqa: E402
@@ -145,15 +143,12 @@ def run_phase(spec: dict, out: str, devices: int) -> dict:
     return result
 
 
+def _run_phase(spec: dict, devices: int, out: str) -> None:
+    run_phase(spec, out, devices)
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--phases", required=True, help="JSON list of phases")
-    args = parser.parse_args()
-    devices = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
-    os.makedirs(args.out, exist_ok=True)
-    for spec in json.loads(args.phases):
-        run_phase(spec, args.out, devices)
+    configs_main(_run_phase, key="phases")
 
 
 if __name__ == "__main__":

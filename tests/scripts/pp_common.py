@@ -152,3 +152,22 @@ def dump(path: str, obj: Any) -> None:
     with open(tmp, "w") as f:
         json.dump(obj, f)
     os.replace(tmp, path)
+
+
+def configs_main(run: Any, key: str = "configs") -> None:
+    """The scripts' command line: ``--out DIR --configs JSON [--devices N]`` (``--phases`` for
+    ckpt_run); calls ``run(config, devices, out)`` for each configuration, in order, in this
+    process group. ``devices``: ``--devices``, else the launcher's ``LOCAL_WORLD_SIZE``
+    (torchrun, the shared test worlds), else ``WORLD_SIZE``."""
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument(f"--{key}", required=True, help="JSON list")
+    parser.add_argument("--devices", type=int, default=None)
+    args = parser.parse_args()
+    env = os.environ
+    devices = args.devices or int(env.get("LOCAL_WORLD_SIZE", env.get("WORLD_SIZE", "1")))
+    os.makedirs(args.out, exist_ok=True)
+    for cfg in json.loads(getattr(args, key)):
+        run(cfg, devices, args.out)

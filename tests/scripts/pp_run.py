@@ -13,8 +13,6 @@ checkpoint, parameter counts, tied-weight digests and the data-parallel all-redu
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
 import time
@@ -30,6 +28,7 @@ from pp_common import (  # noqa: E402
     MODEL_KW,
     Data,
     Recorder,
+    configs_main,
     dump,
     make_trainer,
     tensor_digest,
@@ -158,15 +157,7 @@ def run(cfg: dict, devices: int, out: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--configs", required=True, help="JSON list of configurations")
-    parser.add_argument("--devices", type=int, default=None)
-    args = parser.parse_args()
-    devices = args.devices or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    os.makedirs(args.out, exist_ok=True)
-    for cfg in json.loads(args.configs):
-        run(cfg, devices, args.out)
+    configs_main(run)
 
 
 if __name__ == "__main__":

@@ -13,8 +13,6 @@ per step the ActivationMemoryMonitor's recompute stats of every rank.
 
 from __future__ import annotations
 
-import argparse
-import json
 import logging
 import os
 import sys
@@ -26,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import lightning as L  # noqa: E402
 from lightning.pytorch.callbacks import Callback  # noqa: E402
-from pp_common import MODEL_KW, Data, Recorder, dump, make_trainer  # noqa: E402
+from pp_common import MODEL_KW, Data, Recorder, configs_main, dump, make_trainer  # noqa: E402
 
 from lightning_pp import PipelineStrategy  # noqa: E402
 from lightning_pp.callbacks import ActivationMemoryMonitor  # noqa: E402
@@ -126,14 +124,7 @@ def run(cfg: dict, devices: int, out: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--configs", required=True, help="JSON list of configurations")
-    args = parser.parse_args()
-    devices = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    os.makedirs(args.out, exist_ok=True)
-    for cfg in json.loads(args.configs):
-        run(cfg, devices, args.out)
+    configs_main(run)
 
 
 if __name__ == "__main__":

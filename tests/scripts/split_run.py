@@ -11,7 +11,6 @@ earlier config whose checkpoint this one loads, at its own shape, and only valid
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -22,6 +21,7 @@ torch.set_num_threads(1)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import lightning as L  # noqa: E402
+from pp_common import configs_main  # noqa: E402
 from split_common import CausalLM, Data, Losses, make_trainer  # noqa: E402
 
 from lightning_pp import PipelineStrategy  # noqa: E402
@@ -83,15 +83,7 @@ def run(cfg: dict, devices: int, out: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--configs", required=True)
-    parser.add_argument("--devices", type=int, default=None)
-    args = parser.parse_args()
-    devices = args.devices or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    os.makedirs(args.out, exist_ok=True)
-    for cfg in json.loads(args.configs):
-        run(cfg, devices, args.out)
+    configs_main(run)
 
 
 if __name__ == "__main__":
