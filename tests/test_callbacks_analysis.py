@@ -25,6 +25,8 @@ from lightning_pp.callbacks.gather import _pack, _unpack, gather_records
 from lightning_pp.runtime.records import StepEvent, StepRecord
 from lightning_pp.schedules import Costs, Op, build_schedule, render_gantt, simulate
 
+pytestmark = pytest.mark.quick  # the quick tier: pytest -m quick
+
 SHAPES = [("gpipe", 1, 8), ("1f1b", 1, 8), ("1f1b", 1, 5), ("interleaved", 2, 8)]
 
 

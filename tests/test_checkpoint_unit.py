@@ -18,6 +18,8 @@ from lightning_pp.checkpoint.sharded import (
 )
 from lightning_pp.strategy.model import PipelineLayers
 
+pytestmark = pytest.mark.quick  # the quick tier: pytest -m quick
+
 
 class Tiny(nn.Module):
     def __init__(self, seed: int = 0) -> None:

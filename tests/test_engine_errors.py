@@ -25,6 +25,8 @@ from lightning_pp.layout.topology import PipelineTopology, build_process_groups
 from lightning_pp.runtime.engine import PipelineEngine, PipelineStepError
 from lightning_pp.schedules import Action, Op, Schedule, build_schedule
 
+pytestmark = pytest.mark.quick  # the quick tier: pytest -m quick
+
 WORLD = 6  # pp=2, dp=3: pipelines {0, 3}, {1, 4}, {2, 5}, one broken in a different way each
 
 

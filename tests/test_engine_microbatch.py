@@ -5,6 +5,8 @@ import torch
 
 from lightning_pp.runtime.microbatch import batch_size_of, split_microbatches
 
+pytestmark = pytest.mark.quick  # the quick tier: pytest -m quick
+
 
 def test_nested_split_and_replication():
     batch = {"x": torch.arange(10).reshape(5, 2), "meta": ("name", torch.ones(5)), "k": 3}

@@ -3,6 +3,7 @@ and the gather of what it recorded. Single process, no torch.distributed."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from lightning_pp.callbacks.gather import _pack, _unpack
@@ -10,6 +11,8 @@ from lightning_pp.layout.topology import PipelineTopology
 from lightning_pp.runtime.engine_step import ChunkPlace, Stash, _Entry, place_chunks
 from lightning_pp.runtime.records import StepRecorder
 from lightning_pp.schedules import Action, Op, Schedule, build_schedule
+
+pytestmark = pytest.mark.quick  # the quick tier: pytest -m quick
 
 
 def _rescanned_bytes(stash: Stash) -> int:

@@ -25,6 +25,8 @@ from lightning_pp.layout.topology import PipelineTopology, build_process_groups
 from lightning_pp.runtime.engine import PipelineEngine
 from lightning_pp.schedules import Action, Op, Schedule, validate
 
+pytestmark = pytest.mark.quick  # the quick tier: pytest -m quick
+
 PP, M, STEPS, TOL = 2, 3, 3, 1e-6
 CASES = [
     dict(id="mlp-L8", model="mlp", lookahead=None, static=False),

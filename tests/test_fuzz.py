@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import warnings
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lightning_pp.layout.plan import PipelinePlan
 from lightning_pp.layout.rules import PipelineWarning
 from lightning_pp.schedules import peak_inflight, validate
+
+pytestmark = pytest.mark.quick  # the quick tier: pytest -m quick
 
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

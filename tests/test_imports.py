@@ -16,6 +16,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.quick  # the quick tier: pytest -m quick
+
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "lightning_pp"
 

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.quick  # the quick tier: pytest -m quick
+
 PACKAGE = Path(__file__).resolve().parents[1] / "lightning_pp"
 COMPAT = PACKAGE / "_lightning_compat.py"
 FILES = sorted(p for p in PACKAGE.rglob("*.py") if p != COMPAT)

@@ -13,6 +13,8 @@ from lightning_pp.runtime.grad_sync import DeferredGradSync, global_grad_norm
 from lightning_pp.strategy.model import PipelineLayers, select_layers
 from lightning_pp.strategy.pipeline_strategy import PipelineStrategy
 
+pytestmark = pytest.mark.quick  # the quick tier: pytest -m quick
+
 KW = dict(vocab_size=16, n_layer=3, n_head=2, n_embd=8, block_size=4, seed=3)
 
 

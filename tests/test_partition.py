@@ -11,6 +11,8 @@ from lightning_pp.layout.partition import (
     stage_of,
 )
 
+pytestmark = pytest.mark.quick  # the quick tier: pytest -m quick
+
 
 def sizes(ranges):
     return [len(r) for r in ranges]

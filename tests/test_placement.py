@@ -10,6 +10,8 @@ from lightning_pp.layout.partition import partition_layers
 from lightning_pp.layout.placement import LayerPlacement
 from lightning_pp.schedules import build_schedule
 
+pytestmark = pytest.mark.quick  # the quick tier: pytest -m quick
+
 
 def _place(name: str, pp: int, vpp: int, num_layers: int) -> LayerPlacement:
     if name == "zbv":  # V placement: only the schedule's placement is read here

@@ -27,6 +27,8 @@ from lightning_pp.schedules import build_schedule, validate
 from lightning_pp.strategy.model import PipelineLayers, PipelineMixin
 from lightning_pp.strategy.module_rules import check_module
 
+pytestmark = pytest.mark.quick  # the quick tier: pytest -m quick
+
 
 def _no_pipeline_warning(fn, *args, **kwargs):
     with warnings.catch_warnings():

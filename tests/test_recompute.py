@@ -26,6 +26,8 @@ from lightning_pp.planner.recompute import plan_auto
 from lightning_pp.runtime.engine import PipelineEngine
 from lightning_pp.schedules import build_schedule
 
+pytestmark = pytest.mark.quick  # the quick tier: pytest -m quick
+
 WORLD = 4
 DIM = 8
 TOL = 1e-6

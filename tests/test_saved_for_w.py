@@ -7,6 +7,7 @@ backward. Single process; the pipeline-level figures (measured peak vs the plan)
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -16,6 +17,8 @@ from lightning_pp.runtime.recompute import RecomputeOnce
 from lightning_pp.runtime.recompute_probe import measure_chunk
 from lightning_pp.runtime.saved_for_w import SavedForW
 from lightning_pp.runtime.split_backward import backward_input, fused_backward, weight_nodes
+
+pytestmark = pytest.mark.quick  # the quick tier: pytest -m quick
 
 
 class MLP(nn.Module):

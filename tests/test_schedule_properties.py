@@ -4,10 +4,13 @@ numbers in the message."""
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightning_pp.schedules import Costs, Op, build_schedule, simulate, validate
+
+pytestmark = pytest.mark.quick  # the quick tier: pytest -m quick
 
 SETTINGS = settings(max_examples=200, deadline=None)
 NAMES = ["gpipe", "1f1b", "interleaved", "zb-h1", "zbv"]

@@ -24,6 +24,8 @@ from lightning_pp.schedules import (
     one_f_one_b,
 )
 
+pytestmark = pytest.mark.quick  # the quick tier: pytest -m quick
+
 
 def megatron_accepts(pp: int, vpp: int, m: int, n: int) -> bool:
     """Shapes current Megatron-core runs (interleaving is only selected for pp > 1)."""

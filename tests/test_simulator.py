@@ -17,6 +17,8 @@ from lightning_pp.schedules import (
     validate,
 )
 
+pytestmark = pytest.mark.quick  # the quick tier: pytest -m quick
+
 F, B = Op.F, Op.B
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

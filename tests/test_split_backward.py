@@ -13,6 +13,8 @@ from torch.utils.checkpoint import checkpoint
 from lightning_pp.models.virtual_device import SleepLayer
 from lightning_pp.runtime.split_backward import backward_input, fused_backward
 
+pytestmark = pytest.mark.quick  # the quick tier: pytest -m quick
+
 
 class Block(nn.Module):
     """Pre-norm transformer block (attention + MLP), as in the benchmark workload."""

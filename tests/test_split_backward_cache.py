@@ -16,6 +16,8 @@ from torch import nn
 from lightning_pp.runtime import split_backward as sb
 from lightning_pp.runtime.split_backward import backward_input, fused_backward
 
+pytestmark = pytest.mark.quick  # the quick tier: pytest -m quick
+
 
 class Branchy(nn.Module):
     """A forward whose graph depends on the call: which Linear (same shapes: same graph shape,

@@ -4,6 +4,8 @@ import pytest
 
 from lightning_pp.layout.topology import PipelineTopology
 
+pytestmark = pytest.mark.quick  # the quick tier: pytest -m quick
+
 
 def test_pp_outermost_layout():
     grid = [PipelineTopology.from_world(8, r, pp=4) for r in range(8)]

@@ -14,6 +14,8 @@ from torch import nn
 import lightning_pp.runtime.split_backward as sb
 from lightning_pp.runtime.split_backward import backward_input, fused_backward
 
+pytestmark = pytest.mark.quick  # the quick tier: pytest -m quick
+
 
 class Block(nn.Module):
     """Pre-norm block: LayerNorm, Linear (bias), GELU, Linear (no bias), a residual."""

@@ -35,6 +35,8 @@ from lightning_pp.schedules import (
 )
 from lightning_pp.schedules.validate import dependencies
 
+pytestmark = pytest.mark.quick  # the quick tier: pytest -m quick
+
 F, B, I, W = Op.F, Op.B, Op.I, Op.W  # noqa: E741 - the paper's names
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 REPO = Path(__file__).resolve().parents[1]

@@ -40,6 +40,7 @@ import faulthandler
 import itertools
 import os
 import queue as queue_mod
+import shutil
 import signal
 import tempfile
 import time
@@ -63,12 +64,19 @@ def _serve(
     init: str,
     tasks: Any,
     results: Any,
+    log: str,
 ) -> None:
-    """One rank: set up once, then run cases until told to stop."""
+    """One rank: set up once, then run cases until told to stop. Its output (Lightning's
+    banners, the strategy's start log, warnings) goes to the file ``log``: a passing test
+    prints nothing, a failing one shows the tail of every rank's log."""
     try:  # own process group, so the parent can kill this rank and anything it started
         os.setsid()
     except OSError:
         pass
+    out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(out, 1)
+    os.dup2(out, 2)
+    os.close(out)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     import torch
@@ -142,10 +150,12 @@ class World:
             from lightning_pp.planner.verify import free_port
 
             init, self._init_file = str(free_port()), None
+        self._logdir = tempfile.mkdtemp(prefix=f"lpp_{kind}{size}_")
+        self.logs = [os.path.join(self._logdir, f"rank{r}.log") for r in range(size)]
         self._procs = [
             ctx.Process(
                 target=_serve,
-                args=(kind, r, size, init, self._tasks[r], self._results),
+                args=(kind, r, size, init, self._tasks[r], self._results, self.logs[r]),
                 daemon=True,
             )
             for r in range(size)
@@ -211,8 +221,12 @@ class World:
                     else f"killed after timeout={timeout:.0f}s"
                 )
         pids = self.pids
-        self.close()
+        self.close(keep_logs=True)
         parts = [f"--- rank {r} ---\n{failures[r]}" for r in sorted(failures)]
+        parts += [
+            f"--- rank {r}: the end of its output ---\n{self.log_tail(r)}" for r in range(self.size)
+        ]
+        shutil.rmtree(self._logdir, ignore_errors=True)
         raise DistributedFailure(
             f"{len(failures)} of {self.size} ranks failed running {name} in the shared "
             f"{self.kind} world:\n" + "\n".join(parts),
@@ -222,7 +236,15 @@ class World:
             [r for r in failures if r not in done],
         )
 
-    def close(self) -> None:
+    def log_tail(self, rank: int, chars: int = 3000) -> str:
+        """The last ``chars`` characters of what ``rank`` printed (every case so far)."""
+        try:
+            with open(self.logs[rank], errors="replace") as f:
+                return f.read()[-chars:]
+        except OSError as e:
+            return f"(no output: {e})"
+
+    def close(self, keep_logs: bool = False) -> None:
         """Stop every rank (and whatever it started); the world cannot run cases after."""
         if not self.alive:
             return
@@ -249,6 +271,8 @@ class World:
                 os.unlink(self._init_file)
             except OSError:
                 pass
+        if not keep_logs:
+            shutil.rmtree(self._logdir, ignore_errors=True)
 
 
 _WORLDS: dict[tuple[str, int], World] = {}

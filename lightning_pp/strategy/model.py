@@ -348,8 +348,13 @@ class PipelineMixin:
 
     def pipeline_log_eval(self, values: dict[str, Tensor], split: str) -> None:
         """Log evaluation values (epoch means), identical on every rank; ``split``: ``"val"`` or
-        ``"test"``."""
-        self.log_dict(values, prog_bar=True, on_step=False, on_epoch=True)
+        ``"test"``.
+
+        ``sync_dist=True``: under the pipeline the values are already the same on every rank
+        (the strategy averaged them over the replicas), so Lightning's epoch-end mean over the
+        ranks changes nothing; under another multi-process strategy (DDP) it is the mean over the
+        replicas that each saw a shard. Without it Lightning warns on every epoch-level log."""
+        self.log_dict(values, prog_bar=True, on_step=False, on_epoch=True, sync_dist=True)
 
     # -- the plain, single-process path ----------------------------------------------------
     def pipeline_forward(self, batch: Any) -> Any:
