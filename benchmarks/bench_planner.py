@@ -214,14 +214,23 @@ def spec_of(setup: Setup, cand: Any, records: bool = False) -> RunSpec:
     )
 
 
-def calibrate(setup: Setup, profile: ModelProfile, timeout: float) -> dict[str, Any]:
+def calibration_run(setup: Setup, profile: ModelProfile) -> tuple[Any, Any, Any]:
+    """The calibration shape (pp, schedule, m of ``setup.calibration``): its candidate, plan and
+    the run spec (more timed steps than a shape: it fits four numbers)."""
     pp, name, m = setup.calibration
     cand, plan = make_candidate(
         profile, setup.world, GLOBAL_BATCH, pp=pp, vpp=1, microbatches=m, schedule=name
     )
-    t0 = time.perf_counter()
     longer = dataclasses.replace(setup, steps=max(setup.steps, setup.calibration_steps))
-    got = measure_many([spec_of(longer, cand, records=True)], setup.world, timeout=timeout)[0]
+    return cand, plan, spec_of(longer, cand, records=True)
+
+
+def calibration_of(
+    setup: Setup, profile: ModelProfile, cand: Any, plan: Any, got: Any, seconds: float
+) -> dict[str, Any]:
+    """What the calibration run ``got`` measured: the engine's overhead, the layers' scale,
+    the hop latency and the receive cost."""
+    pp, name, m = setup.calibration
     cal = calibrate_from_run(got, plan, profile.layers(cand.microbatch_size), None, profile)
     return {
         "overhead_s": cal.overhead_s,
@@ -232,7 +241,7 @@ def calibrate(setup: Setup, profile: ModelProfile, timeout: float) -> dict[str, 
         "hops": cal.hops,
         "shape": f"dp={cand.dp} x pp={pp} {name} m={m}",
         "step_s": got.step_s,
-        "seconds": time.perf_counter() - t0,
+        "seconds": seconds,
     }
 
 
@@ -265,25 +274,40 @@ def run(
     # per shape, one Measured per round (None: its world failed, with the reason)
     runs: list[list[Any]] = [[] for _ in shapes]
     failures: list[str | None] = [None] * len(shapes)
+    cal_cand, cal_plan, cal_spec = calibration_run(setup, profile)
     for r in range(rounds):
-        cals.append(calibrate(setup, profile, timeout))
-        c = cals[-1]
-        log(
-            f"round {r + 1}/{rounds} calibrated: overhead {c['overhead_s'] * 1e3:.3f} ms/action, "
-            f"layers x{c['compute_scale']:.3f}, hop latency {c['latency_s'] * 1e6:.0f} us "
-            f"({c['actions']} actions, {c['hops']} hops), a receive {c['receive_s'] * 1e6:.0f} "
-            f"us; step {c['step_s'] * 1e3:.1f} ms"
-        )
         order = list(groups.items())
-        for (pp, vpp), members in order if r % 2 == 0 else order[::-1]:
+        for g, ((pp, vpp), members) in enumerate(order if r % 2 == 0 else order[::-1]):
             t0 = time.perf_counter()
-            try:
-                specs = [spec_of(setup, shapes[i][0]) for i in members]
-                got = measure_many(specs, setup.world, timeout=timeout)
-            except WorldFailure as err:
-                got = [None] * len(members)
-                for i in members:
-                    failures[i] = str(err)
+            specs = [spec_of(setup, shapes[i][0]) for i in members]
+            if g == 0:
+                # The round's calibration runs first in its first world (a world of its own
+                # cost one more start-up per round). If that world fails, its shapes count as
+                # failed and the calibration runs again alone (a failure there ends the run).
+                try:
+                    cal_got, *got = measure_many([cal_spec, *specs], setup.world, timeout=timeout)
+                except WorldFailure as err:
+                    got = [None] * len(members)
+                    for i in members:
+                        failures[i] = str(err)
+                    cal_got = measure_many([cal_spec], setup.world, timeout=timeout)[0]
+                elapsed = time.perf_counter() - t0
+                cals.append(calibration_of(setup, profile, cal_cand, cal_plan, cal_got, elapsed))
+                c = cals[-1]
+                log(
+                    f"round {r + 1}/{rounds} calibrated: overhead "
+                    f"{c['overhead_s'] * 1e3:.3f} ms/action, layers x{c['compute_scale']:.3f}, "
+                    f"hop latency {c['latency_s'] * 1e6:.0f} us ({c['actions']} actions, "
+                    f"{c['hops']} hops), a receive {c['receive_s'] * 1e6:.0f} us; step "
+                    f"{c['step_s'] * 1e3:.1f} ms"
+                )
+            else:
+                try:
+                    got = measure_many(specs, setup.world, timeout=timeout)
+                except WorldFailure as err:
+                    got = [None] * len(members)
+                    for i in members:
+                        failures[i] = str(err)
             log(
                 f"round {r + 1}/{rounds} pp={pp} vpp={vpp}: {len(members)} shapes in "
                 f"{time.perf_counter() - t0:.1f} s"
