@@ -125,17 +125,26 @@ class StoreHost:
             host = cls(proc, address, port)
             _HOSTS.append(host)
             return host
+        if line.startswith("error "):
+            why = line[len("error ") :]
+        elif proc.poll() is None:
+            why = f"it did not say it listens within {startup_timeout:g} s"
+        else:
+            why = f"it exited with code {proc.returncode} (its error is printed above)"
         if proc.poll() is None:
             proc.kill()
         proc.wait()
-        why = (
-            line[len("error ") :]
-            if line.startswith("error ")
-            else (f"it did not start within {startup_timeout:g} s" if not line else line)
+        in_use = "EADDRINUSE" in why or "address already in use" in why
+        fix = (
+            "set MASTER_PORT to a free port, or unset it to let Lightning pick one"
+            if in_use
+            else "see the error above; a store process can be started by hand with "
+            f"`{sys.executable} -m {__name__} --address {address} --port {port} "
+            f"--world-size {world_size} --stale 60` to see it"
         )
         raise RuntimeError(
-            f"lightning-pp could not start the job's store on port {port} (MASTER_PORT): {why}. "
-            f"Fix: set MASTER_PORT to a free port, or unset it to let Lightning pick one"
+            f"lightning-pp could not start the job's store on port {port} (MASTER_PORT): "
+            f"{why}. Fix: {fix}"
         )
 
 

@@ -180,10 +180,11 @@ class ProcessGroupStrategy(ParallelStrategy):
             if store is not None:
                 kwargs["store"] = store
         compat.init_dist_connection(self.cluster_environment, backend, **kwargs)
-        if store is not None and self._store_host is not None:
+        default = compat.default_store()
+        if store is not None and self._store_host is not None and default is not None:
             group = dist.group.WORLD
             names = [f"{group.group_name}/"] if group is not None else []
-            publish_key_prefix(store, compat.default_store(), [*names, ""])
+            publish_key_prefix(store, default, [*names, ""])
         self._start_failure_handling()
 
     def _job_store(self) -> Any:
