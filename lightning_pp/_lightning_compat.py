@@ -23,6 +23,7 @@ if TYPE_CHECKING:  # only for annotations: importing Lightning at module load is
     from lightning.pytorch.strategies.strategy import Strategy
 
 __all__ = [
+    "agent_hosts_store",
     "call_zero_grad_hooks",
     "configure_optimizers_and_schedulers",
     "default_process_group_backend",
@@ -241,6 +242,24 @@ def sync_ddp_if_available(tensor: torch.Tensor, group: Any, reduce_op: Any) -> t
     from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 
     return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+
+
+def agent_hosts_store() -> bool:
+    """Whether a torchelastic agent (torchrun) hosts the job's store: torch's private
+    ``torch.distributed.rendezvous._torchelastic_use_agent_store`` (torch 2.x), which reads the
+    ``TORCHELASTIC_USE_AGENT_STORE`` variable the agent sets for its workers.
+
+    Why: under ``env://`` rank 0 hosts the store unless an agent does; the strategy starts a
+    store process of its own exactly when rank 0 would otherwise host it
+    (:mod:`lightning_pp.runtime.store_host`), so it must ask the same question torch asks.
+    """
+    try:
+        from torch.distributed.rendezvous import _torchelastic_use_agent_store
+    except ImportError:  # moved: read the variable it reads
+        import os
+
+        return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+    return bool(_torchelastic_use_agent_store())
 
 
 def default_store() -> Any:

@@ -93,7 +93,7 @@ def start_job(
     )
 
 
-def _descendants(pid: int) -> list[int]:
+def descendants(pid: int) -> list[int]:
     """Every live descendant of ``pid``, whatever its session or group (from ``/proc``)."""
     children: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
@@ -120,7 +120,7 @@ def kill_job(pgid: int) -> None:
     starts from its pid. Does not reap the leader (call ``proc.wait()`` after).
     """
     # Snapshot first: killing the leader re-parents its children and hides them from the walk.
-    for pid in _descendants(pgid):
+    for pid in descendants(pgid):
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:

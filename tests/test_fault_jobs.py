@@ -4,6 +4,11 @@
   two workers each): a middle rank gets SIGKILL or SIGSTOP once training runs. Every process of
   the job must be gone within ``watchdog_timeout + 10 s``, the exit must be non-zero and the
   report must name the rank that died or stalled (issue 13, acceptance).
+* Rank 0 stopped or killed (issue 35): under Lightning's launcher (where rank 0 is the launching
+  process and, without lightning-pp's store process, the host of the job's store), under
+  torchrun and as SLURM tasks; during training under 1f1b and ZB-V, and in the middle of a
+  checkpoint save. The same bounds, rank 0 named in one line by every survivor, no C++ stack
+  frames in the output.
 * SIGTERM to the launching rank (a scheduler's preemption): a checkpoint is saved where
   Lightning's SLURM auto-requeue resumes it, the job says so and exits 143.
 * The same as SLURM tasks, every task signalled: rank 0 runs ``scontrol requeue <job id>``
@@ -15,6 +20,7 @@ Every job runs in its own session; whatever outlives a test is killed (tests/job
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -23,7 +29,7 @@ import time
 from pathlib import Path
 
 import pytest
-from jobs import free_port, kill_job, start_job
+from jobs import descendants, free_port, kill_job, start_job
 
 SCRIPTS = Path(__file__).parent / "scripts"
 WATCHDOG = 5.0
@@ -78,6 +84,19 @@ class Job:
                 pytest.fail(f"the job ended before it trained:\n{self.output()[-6000:]}")
             time.sleep(0.2)
         pytest.fail(f"the job did not start training in {START_TIMEOUT}s:\n{self.output()[-6000:]}")
+
+    def processes(self) -> dict[int, str]:
+        """pid -> command line of every live process of the job now: the leaders and all their
+        descendants (ranks, launchers' children, lightning-pp's store process, agents)."""
+        pids = [p.pid for p in self.procs if p.poll() is None]
+        pids += [d for p in pids for d in descendants(p)]
+        out = {}
+        for pid in pids:
+            try:
+                out[pid] = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                pass
+        return out
 
     def wait_gone(self, pids: list[int], within: float) -> tuple[float | None, float | None]:
         """Seconds until ``pids`` (the ranks) were gone and until the leaders (launchers) had
@@ -220,3 +239,118 @@ def test_slurm_sigterm_requeues_the_job_after_saving(job, tmp_path):
     _assert_sigterm_saved(out, tmp_path)
     assert calls.read_text().splitlines() == ["requeue 4242"]  # once, by rank 0, after saving
     assert "requeued SLURM job 4242" in out
+
+
+# ---- rank 0 stopped or killed --------------------------------------------------------------------
+
+# (launcher, signal, when, world): "when" is a schedule (the signal comes during training) or
+# "save" (rank 0 signals itself in the middle of a checkpoint save).
+RANK0_CASES = [
+    ("lightning", "SIGSTOP", "1f1b", 3),
+    ("lightning", "SIGKILL", "1f1b", 3),
+    ("lightning", "SIGSTOP", "zbv", 2),
+    ("lightning", "SIGKILL", "zbv", 2),
+    ("lightning", "SIGSTOP", "save", 2),
+    ("lightning", "SIGKILL", "save", 2),
+    ("torchrun", "SIGSTOP", "1f1b", 2),
+    ("torchrun", "SIGKILL", "1f1b", 2),
+    ("torchrun", "SIGSTOP", "zbv", 2),
+    ("torchrun", "SIGKILL", "zbv", 2),
+    ("torchrun", "SIGSTOP", "save", 2),
+    ("torchrun", "SIGKILL", "save", 2),
+    ("slurm", "SIGSTOP", "zbv", 2),
+    ("slurm", "SIGKILL", "1f1b", 2),
+]
+
+# What torch prints when a C++ exception's stack is shown (TCPStore's warnings did, ~530 lines).
+CPP_FRAMES = re.compile(r"^frame #\d+:|Exception raised from |<omitting python frames>", re.M)
+
+
+def _launch_rank0_case(job: Job, launcher: str, world: int, when: str, sig: int) -> None:
+    args = [str(world), str(WATCHDOG)]
+    if when == "save":
+        args.append("fault=ckpt-stop" if sig == signal.SIGSTOP else "fault=ckpt-kill")
+    else:
+        args.append(f"schedule={when}")
+    script = str(SCRIPTS / "fault_job.py")
+    if launcher == "lightning":
+        job.start([sys.executable, script, *args], _env(job.tmp))
+    elif launcher == "torchrun":
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run",
+            "--nnodes", "1", "--nproc_per_node", str(world),
+            "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+            "--monitor_interval", "0.2", script, *args,
+        ]  # fmt: skip
+        job.start(cmd, _env(job.tmp))
+    else:
+        slurm = {
+            "SLURM_NTASKS": str(world),
+            "SLURM_NTASKS_PER_NODE": str(world),
+            "SLURM_NNODES": "1",
+            "SLURM_NODEID": "0",
+            "SLURM_JOB_ID": "4243",
+            "SLURM_JOB_NAME": "pipeline",
+            "SLURM_NODELIST": "127.0.0.1",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(free_port()),
+        }
+        for r in range(world):
+            env = _env(job.tmp, **slurm, SLURM_PROCID=str(r), SLURM_LOCALID=str(r))
+            job.start([sys.executable, script, *args], env)
+
+
+@pytest.mark.parametrize(
+    "launcher,signame,when,world",
+    RANK0_CASES,
+    ids=[f"{launcher}-{sig}-{when}" for launcher, sig, when, _ in RANK0_CASES],
+)
+def test_a_stopped_or_killed_rank_0_ends_the_job_and_is_named(job, launcher, signame, when, world):
+    sig = getattr(signal, signame)
+    _launch_rank0_case(job, launcher, world, when, sig)
+    pids = job.ready(world)
+    everything = job.processes()  # before the fault: a killed rank 0 hides its children
+    assert set(pids.values()) <= set(everything), (pids, everything)
+    if when == "save":
+        (job.tmp / "go").write_text("")
+        deadline = time.monotonic() + START_TIMEOUT
+        while not (job.tmp / "fault.0").exists():
+            if time.monotonic() > deadline or not _alive(pids[1]):
+                pytest.fail(f"rank 0 never reached the save's fault:\n{job.output()[-6000:]}")
+            time.sleep(0.05)
+    else:
+        os.kill(pids[0], sig)
+    t0 = time.monotonic()
+    left: dict[int, str] = dict(everything)
+    while left and time.monotonic() - t0 < WATCHDOG + 10:
+        left = {pid: cmd for pid, cmd in left.items() if _alive(pid)}
+        time.sleep(0.05)
+    gone = time.monotonic() - t0
+    out = job.output()
+    print(
+        f"{launcher} {signame} rank 0 ({when}): {len(everything)} processes gone after {gone:.1f}s"
+    )
+    if left:
+        pytest.fail(
+            f"{len(left)} processes still ran {WATCHDOG + 10:g}s after {signame} of rank 0 "
+            f"({when}): {left}\n{out[-6000:]}"
+        )
+    for p in job.procs:
+        p.wait(timeout=10)
+    codes = [p.returncode for p in job.procs]
+    assert all(c != 0 for c in codes), (codes, out[-6000:])
+    lines = out.splitlines()
+    named = f"rank 0 on host {socket.gethostname()} (pid {pids[0]})"
+    reason = (
+        "exited without reporting an error"
+        if sig == signal.SIGKILL
+        else "stopped sending heartbeats"
+    )
+    assert any(named in ln and reason in ln for ln in lines), out[-6000:]
+    assert not CPP_FRAMES.search(out), out[-6000:]
+    # every survivor says one line, naming rank 0; nobody claims to be the origin
+    for r in range(1, world):
+        said = [ln for ln in lines if ln.startswith(f"[rank{r}]")]
+        assert len(said) == 1, f"rank {r} printed {len(said)} lines:\n" + "\n".join(said[:40])
+        assert f"PipelineAborted: rank {r}: " in said[0] and "because rank 0 vanished" in said[0]
+    assert "PipelineStepError" not in out, out[-6000:]

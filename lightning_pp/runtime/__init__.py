@@ -12,8 +12,10 @@
 - gradients and numbers: :mod:`.grad_sync` (deferred data-parallel all-reduce, tied weights,
   global norm), :mod:`.numerics` (where a NaN first appeared), :mod:`.microbatch`,
   :mod:`.records` (what a step did);
-- failures: :mod:`.errors`, :mod:`.abort` (abort channel and hang watchdog),
-  :mod:`.heartbeats` (process liveness), :mod:`.processes` (ending a job's processes together).
+- failures: :mod:`.errors`, :mod:`.failure` (abort channel and hang watchdog),
+  :mod:`.heartbeats` (process liveness), :mod:`.local_process` (what ``/proc`` says),
+  :mod:`.store_host` (the job's store in a process of its own, outside rank 0),
+  :mod:`.processes` (ending a job's processes together).
 
 May import: :mod:`lightning_pp.schedules` and :mod:`lightning_pp.layout`. Never Lightning.
 """

@@ -27,6 +27,7 @@ __all__ = [
     "DEFAULT_WATCHDOG_TIMEOUT",
     "VANISHED",
     "PipelineAborted",
+    "aborted_message",
     "PipelineHang",
     "abort_key",
     "decode_origin",
@@ -104,6 +105,21 @@ def origin_summary(origin: dict) -> str:
     parts = [f"rank {origin.get('rank', -1)}"]
     parts += [origin[k] for k in ("where", "type") if origin.get(k)]
     return ": ".join(parts)
+
+
+def aborted_message(rank: int, origin: dict, doing: str) -> str:
+    """What a rank stopped by another rank's failure says, in one line: ``rank 2: stopped
+    {doing} because rank 0 vanished: <what its watcher saw>`` (a vanished rank prints nothing
+    itself, so everything is said here), or ``... because rank 1 failed first [rank 1: F mb=0
+    chunk=0: ValueError]; that rank prints the error and its traceback``."""
+    origin_rank = int(origin.get("rank", -1))
+    who = f"rank {origin_rank}" if origin_rank >= 0 else "another rank"
+    if origin.get("type") == VANISHED:
+        return f"rank {rank}: stopped {doing} because {who} vanished: {origin.get('message', '')}"
+    return (
+        f"rank {rank}: stopped {doing} because {who} failed first [{origin_summary(origin)}]; "
+        f"that rank prints the error and its traceback"
+    )
 
 
 def report_failure(

@@ -45,12 +45,11 @@ from .errors import (
     _NAMESPACE,
     DEFAULT_POLL_INTERVAL,
     DEFAULT_WATCHDOG_TIMEOUT,
-    VANISHED,
     PipelineAborted,
     PipelineHang,
     abort_key,
+    aborted_message,
     decode_origin,
-    origin_summary,
     report_failure,
 )
 from .heartbeats import current_watcher
@@ -204,28 +203,12 @@ class FailureMonitor:
             raise self._aborted_error(origin, what)
 
     def _aborted_error(self, origin: dict, what: str) -> PipelineAborted:
-        origin_rank = int(origin.get("rank", -1))
         ctx = self.context
         doing = what or "between steps"
         if ctx["action"]:
             doing += f" (step {ctx['step']}, {ctx['action']})"
-        who = f"rank {origin_rank}" if origin_rank >= 0 else "another rank"
-        if origin.get("type") == VANISHED:
-            # The vanished rank prints nothing (it is dead or stopped): say it all here.
-            return PipelineAborted(
-                f"rank {self.rank}: stopped {doing} because {who} vanished: "
-                f"{origin.get('message', '')}",
-                self.rank,
-                origin_rank,
-                origin,
-            )
-        return PipelineAborted(
-            f"rank {self.rank}: stopped {doing} because {who} failed first "
-            f"[{origin_summary(origin)}]; that rank prints the error and its traceback",
-            self.rank,
-            origin_rank,
-            origin,
-        )
+        message = aborted_message(self.rank, origin, doing)
+        return PipelineAborted(message, self.rank, int(origin.get("rank", -1)), origin)
 
     # -- published state --------------------------------------------------------------------
     def publish(self, what: str) -> None:

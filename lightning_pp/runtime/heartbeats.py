@@ -19,8 +19,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from .errors import (
     _NAMESPACE,
@@ -33,39 +32,41 @@ from .errors import (
     origin_summary,
     report_failure,
 )
+from .local_process import GONE as _GONE
+from .local_process import STATE_WORDS as _STATE_WORDS
+from .local_process import STOPPED as _STOPPED
+from .local_process import pid_namespace as _pid_namespace
+from .local_process import process_state as _process_state
 
-__all__ = ["ProcessWatcher", "current_watcher"]
+__all__ = ["STORE_CALL_LIMIT", "ProcessWatcher", "bounded", "current_watcher"]
+
+T = TypeVar("T")
+
+STORE_CALL_LIMIT = 5.0
+"""Seconds a store call made outside the watcher's thread may take (finishing, explaining a
+failure) before it is given up: a frozen store must not keep a process from exiting."""
 
 
-def _process_state(pid: int) -> str | None:
-    """The kernel's one-letter state of ``pid`` (``R``, ``S``, ``T`` stopped, ``Z`` zombie, ...)
-    or ``None`` when there is no such process (read from ``/proc``; ``"?"`` elsewhere)."""
+def bounded(call: Callable[[], T], seconds: float, default: T) -> T:
+    """``call()`` on a helper thread, its result within ``seconds``, else ``default`` (also when
+    it raises). For store calls that must not block a process forever (the store's host may be
+    stopped); the helper thread stays blocked, harmless: it is a daemon."""
+    box: list[T] = []
+
+    def run() -> None:
+        try:
+            box.append(call())
+        except Exception:
+            pass
+
+    thread = threading.Thread(target=run, name="lightning_pp-store-call", daemon=True)
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return None
-    except OSError:
-        return "?"
-    return stat.rsplit(")", 1)[1].split()[0]
-
-
-_STATE_WORDS = {
-    "T": "stopped (SIGSTOP or a debugger)",
-    "t": "stopped by a tracer",
-    "D": "in uninterruptible I/O",
-    "Z": "dead (a zombie)",
-    None: "gone",
-}
-
-
-_STOPPED = ("T", "t")  # cannot react to any signal but SIGKILL until continued
-
-
-def _pid_namespace() -> str:
-    try:
-        return os.readlink("/proc/self/ns/pid")
-    except OSError:
-        return ""
+        thread.start()
+    except RuntimeError:  # interpreter shutdown (an atexit handler, Python >= 3.12): no threads
+        run()
+        return box[0] if box else default
+    thread.join(seconds)
+    return box[0] if box else default
 
 
 _WATCHER: ProcessWatcher | None = None
@@ -95,6 +96,12 @@ class ProcessWatcher:
       somewhere no monitor watches (a collective issued by Lightning itself, a user's
       collective): the watcher prints one line and ends it (``os._exit(1)``). The origin gets
       three times as long (it is printing its error).
+    * A second thread, which never touches the store, watches the first: when the store has not
+      answered (or has only failed) for ``watchdog_timeout`` plus three intervals, its host is
+      stopped, killed or unreachable (``store_owner`` says who hosts it). No failure can be
+      published any more: the thread prints one line naming the store, and what this host's
+      process table says of the ranks it knows, SIGKILLs those of them that are stopped (a
+      stopped rank 0 hosting the store would be left behind) and ends this process.
 
     The heartbeat of a rank is judged by whether its value *changes*, timed on the reader's
     clock, so clocks of different hosts need not agree. :meth:`stop` marks the rank finished:
@@ -121,8 +128,10 @@ class ProcessWatcher:
         exit_grace: float = DEFAULT_EXIT_GRACE,
         exit: Callable[[int], Any] = os._exit,
         watch: Callable[[], Sequence[int]] | None = None,
+        store_owner: str = "hosted by rank 0",
     ) -> None:
         self.store = store
+        self.store_owner = store_owner
         self._watch = watch
         self.rank = rank
         self.world_size = world_size
@@ -140,6 +149,11 @@ class ProcessWatcher:
         # rank -> (last value read, monotonic time it last changed, decoded value)
         self._seen: dict[int, tuple[bytes, float, dict]] = {}
         self._abort_seen: float | None = None
+        # the watcher thread's store rounds, read by the guard thread: (finished rounds, did the
+        # last one fail)
+        self._rounds = 0
+        self._round_failed = False
+        self._guard: threading.Thread | None = None
 
     @staticmethod
     def heartbeat_key(rank: int) -> str:
@@ -152,6 +166,10 @@ class ProcessWatcher:
         self._beat(done=False)
         self._thread = threading.Thread(target=self._run, name="lightning_pp-watcher", daemon=True)
         self._thread.start()
+        self._guard = threading.Thread(
+            target=self._guard_store, name="lightning_pp-guard", daemon=True
+        )
+        self._guard.start()
         _WATCHER = self
         atexit.register(self.stop)  # a normal interpreter exit is not a vanished rank
         return self
@@ -162,21 +180,42 @@ class ProcessWatcher:
         if self._stop.is_set():
             return
         self._stop.set()
-        try:
-            self._beat(done=True)
-        except Exception:
-            pass
+        # The thread first: a heartbeat of its own written after "done" would undo it.
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=2 * self.interval)
+        bounded(lambda: self._beat(done=True), STORE_CALL_LIMIT, None)
         if _WATCHER is self:
             _WATCHER = None
 
     def job_failed(self) -> bool:
-        """Whether some rank has published a failure (the abort key is set)."""
-        try:
-            return bool(self.store.check([abort_key()]))
-        except Exception:
-            return True  # the store is gone: the job is ending badly
+        """Whether some rank has published a failure (the abort key is set); ``True`` too when
+        the store does not answer (the job is ending badly)."""
+        return bounded(lambda: bool(self.store.check([abort_key()])), STORE_CALL_LIMIT, True)
+
+    def failure_origin(self, look: bool = True) -> dict | None:
+        """What the rank that failed first published, when that is another rank, else ``None``.
+
+        With ``look``, when no rank has published yet, this process's peers are checked first
+        (:meth:`find_vanished`): an error seen here (a closed connection) is often the first
+        sign of a peer that was killed before anyone noticed. Every store call is bounded
+        (:data:`STORE_CALL_LIMIT`). For a process about to report its own failure, so that the
+        consequence of another rank's is not reported as a cause."""
+
+        def read() -> dict | None:
+            if not self.store.check([abort_key()]):
+                return None
+            return decode_origin(self.store.get(abort_key()).decode(errors="replace"))
+
+        origin = bounded(read, STORE_CALL_LIMIT, None)
+        if origin is None and look:
+            time.sleep(0.05)  # the origin writes the key before its sockets close
+            origin = bounded(read, STORE_CALL_LIMIT, None)
+            if origin is None:
+                bounded(lambda: self.find_vanished(), STORE_CALL_LIMIT + 2 * self.interval, False)
+                origin = bounded(read, STORE_CALL_LIMIT, None)
+        if origin is None or origin.get("rank") == self.rank:
+            return None
+        return origin
 
     def _beat(self, done: bool) -> None:
         self._count += 1
@@ -191,8 +230,70 @@ class ProcessWatcher:
                 self._beat(done=False)
                 self._check()
             except Exception:
-                # The store is gone: the job is ending (its host exited). Nothing to watch with.
+                # The store does not answer (its host exited?): the guard thread decides.
+                self._round_failed = True
+            else:
+                self._round_failed = False
+            self._rounds += 1
+
+    # -- the store itself ---------------------------------------------------------------------
+    def _guard_store(self) -> None:
+        """The second thread: end this process when the store has stopped answering (see the
+        class docstring). Time is counted in this thread's own ticks, at most two intervals
+        each, so that a process that was itself stopped (Ctrl-Z) or starved of the GIL for a
+        while does not read its own pause as the store's."""
+        if self.watchdog_timeout is None:
+            return
+        limit = self.watchdog_timeout + 3 * self.interval
+        troubled, rounds, last = 0.0, self._rounds, time.monotonic()
+        while not self._stop.wait(self.interval):
+            now = time.monotonic()
+            step, last = min(now - last, 2 * self.interval), now
+            moved, rounds = self._rounds != rounds, self._rounds
+            if moved and not self._round_failed:
+                troubled = 0.0
                 continue
+            troubled += step
+            if troubled > limit and not self._stop.is_set():
+                self._store_lost(troubled)
+                return
+
+    def _store_lost(self, seconds: float) -> None:
+        """The store has not answered for ``seconds``: say so in one line, end what is stopped
+        on this host, leave."""
+        known = []
+        stopped = []
+        with self._lock:
+            seen = {r: v for r, (_, _, v) in self._seen.items()}
+        for r, value in sorted(seen.items()):
+            if value.get("done") or not self._local(value):
+                continue
+            pid = int(value.get("pid", -1))
+            state = _process_state(pid)
+            if state in _STATE_WORDS:
+                known.append(
+                    f"rank {r} on host {value.get('host')} (pid {pid}) is {_STATE_WORDS[state]}"
+                )
+            if state in _STOPPED:
+                stopped.append(pid)
+        text = (
+            f"PipelineAborted: rank {self.rank}: the job's store ({self.store_owner}) has not "
+            f"answered for {seconds:.1f} s (watchdog_timeout={self.watchdog_timeout:g} s): its "
+            f"host is stopped, killed or unreachable, and no failure can be reported through it"
+            + (f"; {'; '.join(known)}" if known else "")
+            + "; exiting"
+        )
+        try:
+            sys.stdout.flush()
+            sys.stderr.write(text + "\n")
+            sys.stderr.flush()
+            for pid in stopped:  # it cannot act on the launcher's SIGTERM
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+        finally:
+            self._exit(1)
 
     # -- what the others are doing ----------------------------------------------------------
     def _read(self, ranks: Sequence[int]) -> dict[int, tuple[float, dict]]:
@@ -256,7 +357,7 @@ class ProcessWatcher:
                 # process table shows it gone: look again until the deadline.
                 for r, value in local.items():
                     state = _process_state(int(value.get("pid", -1)))
-                    if state in (None, "Z"):
+                    if state in _GONE:
                         return self._declare(r, value, _KILLED)
                     if state in _STOPPED:
                         return self._declare(
@@ -298,7 +399,7 @@ class ProcessWatcher:
             state = None
             if self._local(value):
                 state = _process_state(int(value.get("pid", -1)))
-                if state in (None, "Z"):
+                if state in _GONE:
                     self._declare(r, value, _KILLED)
                     return
             if self.watchdog_timeout is not None and age > self.watchdog_timeout:
@@ -334,7 +435,7 @@ class ProcessWatcher:
         first = report_failure(
             self.store, rank, "heartbeat", message, kind=VANISHED, extra={"host": host, "pid": pid}
         )
-        if self._local(value) and _process_state(int(pid)) not in (None, "Z"):
+        if self._local(value) and _process_state(int(pid)) not in _GONE:
             # A stopped or wedged process cannot act on SIGTERM; the job is over for it.
             try:
                 os.kill(int(pid), signal.SIGKILL)

@@ -39,12 +39,14 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .errors import DEFAULT_EXIT_GRACE
+from .errors import DEFAULT_EXIT_GRACE, aborted_message
 from .failure import PipelineAborted, PipelineHang
+from .heartbeats import current_watcher
 
 __all__ = [
     "SIGTERM_EXIT_CODE",
     "ChildSupervisor",
+    "consequence_line",
     "format_failure",
     "install_excepthook",
     "slurm_job_id",
@@ -193,11 +195,38 @@ def format_failure(exc: BaseException, rank: int | None = None) -> str | None:
 _HOOK_INSTALLED = False
 
 
+# gloo's and c10d's messages start with their C++ source location: "[.../pair.cc:553] ..."
+_SOURCE_LOCATION = re.compile(r"^\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\]\s*")
+
+
+def consequence_line(exc: BaseException, rank: int) -> str | None:
+    """One ``PipelineAborted`` line when ``exc`` is the consequence of another rank's failure
+    (that rank raised first, or vanished: asked of this process's
+    :class:`~lightning_pp.runtime.heartbeats.ProcessWatcher`), else ``None``.
+
+    Errors of unwatched communication, e.g. a closed connection inside a collective of a
+    checkpoint save after its peer was killed, would otherwise print a full traceback that
+    names nobody."""
+    watcher = current_watcher()
+    if watcher is None or not isinstance(exc, Exception):
+        return None
+    origin = watcher.failure_origin()
+    if origin is None:
+        return None
+    first = _SOURCE_LOCATION.sub("", (str(exc).splitlines() or [""])[0])
+    if len(first) > 100:
+        first = first[:97] + "..."
+    doing = f"with {type(exc).__name__}" + (f" ({first})" if first else "")
+    return f"[rank{rank}]: PipelineAborted: {aborted_message(rank, origin, doing)}\n"
+
+
 def install_excepthook(rank: Callable[[], int]) -> None:
     """Print pipeline failures with :func:`format_failure` and exit at once (code 1).
 
-    Other exceptions go to the previous hook (torch's, which prefixes ``[rankN]:``); the
-    process then also exits at once, since the job has failed and its gloo teardown can block.
+    An exception caused by another rank's failure prints one line
+    (:func:`consequence_line`). Other exceptions go to the previous hook (torch's, which
+    prefixes ``[rankN]:``); the process then also exits at once, since the job has failed and
+    its gloo teardown can block.
     """
     global _HOOK_INSTALLED
     if _HOOK_INSTALLED:
@@ -208,6 +237,8 @@ def install_excepthook(rank: Callable[[], int]) -> None:
     def hook(exc_type: type, exc: BaseException, tb: Any) -> None:
         try:
             text = format_failure(exc, rank())
+            if text is None:
+                text = consequence_line(exc, rank())
             if text is None:
                 previous(exc_type, exc, tb)
             else:

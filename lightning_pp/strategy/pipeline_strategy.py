@@ -510,7 +510,9 @@ class PipelineStrategy(ProcessGroupStrategy):
         """Publish this rank's failure (e.g. from a callback) so the other ranks stop waiting."""
         # SystemExit (SIGTERM) is a stop every rank takes together, not a failure to publish.
         failed = not isinstance(exception, (PipelineAborted, SystemExit))
-        if failed and compat.distributed_is_initialized():
+        # A communication error (a closed connection, an unwatched collective of Lightning's or
+        # of a checkpoint save) is often a killed peer's consequence: then that peer is named.
+        if failed and compat.distributed_is_initialized() and self.failure_origin() is None:
             where = "Lightning hook or step"
             report_failure(compat.default_store(), self.global_rank, where, exception)
         super().on_exception(exception)

@@ -47,6 +47,7 @@ from ..runtime.failure import (
 )
 from ..runtime.heartbeats import ProcessWatcher
 from ..runtime.processes import SIGTERM_EXIT_CODE, install_excepthook, slurm_job_id, slurm_requeue
+from ..runtime.store_host import StoreHost, connect_store, publish_key_prefix
 
 __all__ = ["ProcessGroupStrategy"]
 
@@ -111,6 +112,8 @@ class ProcessGroupStrategy(ParallelStrategy):
         self._watcher: ProcessWatcher | None = None
         self._collectives: FailureMonitor | None = None
         self._sigterm_received = False
+        self._store_host: StoreHost | None = None
+        self._store_owner = "hosted by rank 0"
 
     @property
     def is_distributed(self) -> bool:
@@ -171,8 +174,42 @@ class ProcessGroupStrategy(ParallelStrategy):
         kwargs: dict[str, Any] = {"timeout": self._timeout}
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
+        store = None
+        if not compat.distributed_is_initialized():
+            store = self._job_store()
+            if store is not None:
+                kwargs["store"] = store
         compat.init_dist_connection(self.cluster_environment, backend, **kwargs)
+        default = compat.default_store()
+        if store is not None and self._store_host is not None and default is not None:
+            group = dist.group.WORLD
+            names = [f"{group.group_name}/"] if group is not None else []
+            publish_key_prefix(store, default, [*names, ""])
         self._start_failure_handling()
+
+    def _job_store(self) -> Any:
+        """The job's store, hosted outside rank 0 (:mod:`lightning_pp.runtime.store_host`), or
+        ``None`` for torch's own ``env://`` rendezvous (a single process, or torchrun, whose agent
+        hosts it already).
+
+        Why: every failure channel goes through this store. Inside rank 0 (``env://`` without an
+        agent: Lightning's launcher, SLURM, spawn) a stopped rank 0 would freeze the whole job
+        with nothing printed, and a killed one would take every channel down with it."""
+        if self.world_size < 2:
+            return None
+        if compat.agent_hosts_store():
+            self._store_owner = "hosted by torchrun's agent"
+            return None
+        env = self.cluster_environment
+        assert env is not None
+        address, port = env.main_address, env.main_port
+        if self.global_rank == 0:
+            stale = (self.watchdog_timeout or 60.0) + 10.0
+            self._store_host = StoreHost.start(address, port, self.world_size, stale=stale)
+            self._store_owner = f"hosted by {self._store_host.describe()}"
+        else:
+            self._store_owner = f"hosted by lightning-pp's store process at {address}:{port}"
+        return connect_store(address, port, self._timeout)
 
     # ------------------------------------------------------------------ failures
     def watched_ranks(self) -> list[int]:
@@ -199,8 +236,17 @@ class ProcessGroupStrategy(ParallelStrategy):
                 self.world_size,
                 watchdog_timeout=self.watchdog_timeout,
                 watch=self.watched_ranks,
+                store_owner=self._store_owner,
             ).start()
         install_excepthook(lambda: self.global_rank)
+
+    def failure_origin(self) -> dict | None:
+        """What the rank that failed first published, when it is another rank (one that raised,
+        or vanished without a word: :meth:`ProcessWatcher.failure_origin`), else ``None``: this
+        rank's own error is then the cause."""
+        if self._watcher is None:
+            return None
+        return self._watcher.failure_origin()
 
     def _stop_failure_handling(self) -> None:
         # After a failure the watcher stays: it ends this process should it block on its way

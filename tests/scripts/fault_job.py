@@ -1,12 +1,18 @@
 """A long Trainer + PipelineStrategy job for process-level fault tests (tests/test_fault_jobs.py).
 
-Usage: ``python fault_job.py PP WATCHDOG [sigterm]``. Every rank writes ``ready.<rank>`` (its
-pid) into ``$FAULT_DIR`` once its second training batch ended, then trains on (up to 100000
-steps) until the test signals one of them. Launched by Lightning's launcher (``devices=PP``),
-by torchrun (the world from its environment) or as SLURM tasks (``SLURM_*`` variables).
+Usage: ``python fault_job.py PP WATCHDOG [sigterm] [schedule=NAME] [fault=ckpt-stop|ckpt-kill]``.
+Every rank writes ``ready.<rank>`` (its pid) into ``$FAULT_DIR`` once its second training batch
+ended, then trains on (up to 100000 steps) until the test signals one of them. Launched by
+Lightning's launcher (``devices=PP``), by torchrun (the world from its environment) or as SLURM
+tasks (``SLURM_*`` variables). ``schedule=zbv`` runs ZB-V (two chunks per rank).
 
 With ``sigterm``, global rank 0 sends SIGTERM to its own process at batch 3 (a scheduler's
 preemption), or every rank does when ``FAULT_ALL_SIGTERM=1`` (SLURM signals every task).
+
+With ``fault=ckpt-stop`` (``ckpt-kill``) a checkpoint is saved every 3 steps, and in the first
+one after ``$FAULT_DIR/go`` exists global rank 0 stops (kills) itself in the middle of the save:
+while it writes the metadata file, after every rank has written its shard, when the others
+wait for it in the save's gather. It writes ``fault.0`` just before.
 """
 
 from __future__ import annotations
@@ -22,6 +28,31 @@ from pp_common import MODEL_KW, Data
 
 from lightning_pp.models import GPT
 from lightning_pp.strategy.pipeline_strategy import PipelineStrategy
+
+
+class _SignalWhenPickled:
+    """Pickled by rank 0's save of the checkpoint's metadata: signals rank 0 there."""
+
+    def __init__(self, out: str, sig: signal.Signals) -> None:
+        self.out, self.sig = out, sig
+
+    def __reduce__(self):
+        with open(os.path.join(self.out, "fault.0"), "w") as f:
+            f.write(str(os.getpid()))
+        os.kill(os.getpid(), self.sig)
+        return (dict, ())
+
+
+class FaultInSave(Callback):
+    """Rank 0 puts a :class:`_SignalWhenPickled` into the first checkpoint saved after the test
+    said ``go``."""
+
+    def __init__(self, out: str, sig: signal.Signals) -> None:
+        self.out, self.sig = out, sig
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+        if trainer.global_rank == 0 and os.path.exists(os.path.join(self.out, "go")):
+            checkpoint["fault"] = _SignalWhenPickled(self.out, self.sig)
 
 
 class Ready(Callback):
@@ -43,16 +74,27 @@ class Ready(Callback):
 def main() -> None:
     pp, watchdog = int(sys.argv[1]), float(sys.argv[2])
     sigterm = "sigterm" in sys.argv[3:]
+    options = dict(a.split("=", 1) for a in sys.argv[3:] if "=" in a)
+    schedule = options.get("schedule", "1f1b")
+    fault = options.get("fault")
     out = os.environ["FAULT_DIR"]
     torch.set_num_threads(1)
     L.seed_everything(0, verbose=False)
     launched = "TORCHELASTIC_RUN_ID" in os.environ or "SLURM_NTASKS" in os.environ
     world = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", pp)))
     nodes = int(os.environ.get("FAULT_NODES", "1"))
-    strategy = PipelineStrategy(pp=pp, microbatches=pp, watchdog_timeout=watchdog)
+    vpp = 2 if schedule == "zbv" else 1
+    microbatches = 2 * pp if schedule == "zbv" else pp  # ZB-V warns below 2 * pp
+    strategy = PipelineStrategy(
+        pp=pp, vpp=vpp, microbatches=microbatches, schedule=schedule, watchdog_timeout=watchdog
+    )
     callbacks: list[Callback] = [Ready(out, sigterm)]
     if sigterm:
         callbacks.append(ModelCheckpoint(dirpath=os.path.join(out, "ckpt"), every_n_train_steps=0))
+    if fault is not None:
+        sig = {"ckpt-stop": signal.SIGSTOP, "ckpt-kill": signal.SIGKILL}[fault]
+        ckpt = ModelCheckpoint(dirpath=os.path.join(out, "ckpt"), every_n_train_steps=3)
+        callbacks += [ckpt, FaultInSave(out, sig)]
     trainer = L.Trainer(
         accelerator="cpu",
         devices=world // nodes if launched else pp,
@@ -66,7 +108,7 @@ def main() -> None:
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        enable_checkpointing=sigterm,
+        enable_checkpointing=sigterm or fault is not None,
         default_root_dir=out,
         callbacks=callbacks,
     )
