@@ -127,9 +127,9 @@ def instrument(module: Any) -> None:
 
 
 def load_baseline(path: str) -> Any:
-    """Another version of ``split_backward.py`` (e.g. ``git show REV:lightning_pp/runtime/split_backward.py``), as
-    its own module: measured in the same rounds as the current one, so the machine's load
-    weighs on both alike."""
+    """Another version of ``split_backward.py`` as its own module (e.g. the output of
+    ``git show REV:lightning_pp/runtime/split_backward.py``): measured in the same rounds as
+    the current one, so the machine's load weighs on both alike."""
     spec = importlib.util.spec_from_file_location("split_backward_baseline", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

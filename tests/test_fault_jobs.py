@@ -126,6 +126,45 @@ def job(tmp_path):
     j.kill()
 
 
+#: jobs of the fault matrix that run at once. A case spends most of its time waiting (for the
+#: ranks to import and train two batches, then for the watchdog); running a few side by side
+#: fills those waits. The bounds each case checks run from its own fault.
+PARALLEL_JOBS = 3
+
+
+@pytest.fixture(scope="module")
+def fault_matrix(request, tmp_path_factory) -> dict[str, str]:
+    """The killed/stopped-rank cases this session selected (a middle rank, rank 0),
+    ``PARALLEL_JOBS`` jobs at a time; case id -> ``"ok: <timing>"`` or the failure (each job
+    killed at the end, whatever happened). ``-k SIGSTOP`` runs only the SIGSTOP jobs."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    selected = {
+        f"{_MATRIX_TESTS[item.originalname]}-{item.callspec.params['case_id']}"
+        for item in request.session.items
+        if getattr(item, "originalname", None) in _MATRIX_TESTS
+    }
+    work: dict[str, object] = {}
+    for (launcher, sig, world, victim), cid in zip(CASES, MIDDLE_IDS):
+        work[f"middle-{cid}"] = (_middle_rank_case, (launcher, sig, world, victim))
+    for case, cid in zip(RANK0_CASES, RANK0_IDS):
+        work[f"rank0-{cid}"] = (_rank0_case, case)
+    work = {name: w for name, w in work.items() if name in selected}
+
+    def run(name: str) -> str:
+        fn, args = work[name]
+        job = Job(tmp_path_factory.mktemp(name))
+        try:
+            return "ok: " + fn(job, *args)
+        except BaseException as e:  # pytest.fail raises an OutcomeException: a BaseException
+            return f"{type(e).__name__}: {e}"
+        finally:
+            job.kill()
+
+    with ThreadPoolExecutor(PARALLEL_JOBS) as pool:
+        return dict(zip(work, pool.map(run, work)))
+
+
 def _launch_lightning(job: Job, pp: int) -> None:
     cmd = [sys.executable, str(SCRIPTS / "fault_job.py"), str(pp), str(WATCHDOG)]
     job.start(cmd, _env(job.tmp))
@@ -152,18 +191,12 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(
-    "launcher,sig,world,victim",
-    CASES,
-    ids=["lightning-SIGKILL", "lightning-SIGSTOP", "torchrun-SIGKILL", "torchrun-SIGSTOP"],
-)
-def test_a_killed_or_stopped_rank_ends_the_job_and_is_named(job, launcher, sig, world, victim):
+def _middle_rank_case(job: Job, launcher: str, sig: signal.Signals, world: int, victim: int) -> str:
     (_launch_lightning if launcher == "lightning" else _launch_torchrun)(job, world)
     pids = job.ready(world)
     os.kill(pids[victim], sig)
     ranks, leaders = job.wait_gone(list(pids.values()), within=WATCHDOG + 10)
     out = job.output()
-    print(f"{launcher} {sig.name}: ranks gone after {ranks}s, launchers after {leaders}s")
     if ranks is None or leaders is None:
         left = [r for r, pid in pids.items() if _alive(pid)]
         pytest.fail(
@@ -181,6 +214,17 @@ def test_a_killed_or_stopped_rank_ends_the_job_and_is_named(job, launcher, sig, 
         assert f"{named} stopped sending heartbeats" in out, out[-6000:]
     # nobody else claims to be the origin
     assert "PipelineStepError" not in out, out[-6000:]
+    return f"{launcher} {sig.name}: ranks gone after {ranks:.1f}s, launchers after {leaders:.1f}s"
+
+
+MIDDLE_IDS = ["lightning-SIGKILL", "lightning-SIGSTOP", "torchrun-SIGKILL", "torchrun-SIGSTOP"]
+
+
+@pytest.mark.parametrize("case_id", MIDDLE_IDS)
+def test_a_killed_or_stopped_rank_ends_the_job_and_is_named(fault_matrix, case_id):
+    verdict = fault_matrix[f"middle-{case_id}"]
+    assert verdict.startswith("ok: "), verdict
+    print(verdict)
 
 
 def _assert_sigterm_saved(out: str, tmp: Path) -> Path:
@@ -300,12 +344,7 @@ def _launch_rank0_case(job: Job, launcher: str, world: int, when: str, sig: int)
             job.start([sys.executable, script, *args], env)
 
 
-@pytest.mark.parametrize(
-    "launcher,signame,when,world",
-    RANK0_CASES,
-    ids=[f"{launcher}-{sig}-{when}" for launcher, sig, when, _ in RANK0_CASES],
-)
-def test_a_stopped_or_killed_rank_0_ends_the_job_and_is_named(job, launcher, signame, when, world):
+def _rank0_case(job: Job, launcher: str, signame: str, when: str, world: int) -> str:
     sig = getattr(signal, signame)
     _launch_rank0_case(job, launcher, world, when, sig)
     pids = job.ready(world)
@@ -327,9 +366,6 @@ def test_a_stopped_or_killed_rank_0_ends_the_job_and_is_named(job, launcher, sig
         time.sleep(0.05)
     gone = time.monotonic() - t0
     out = job.output()
-    print(
-        f"{launcher} {signame} rank 0 ({when}): {len(everything)} processes gone after {gone:.1f}s"
-    )
     if left:
         pytest.fail(
             f"{len(left)} processes still ran {WATCHDOG + 10:g}s after {signame} of rank 0 "
@@ -354,3 +390,23 @@ def test_a_stopped_or_killed_rank_0_ends_the_job_and_is_named(job, launcher, sig
         assert len(said) == 1, f"rank {r} printed {len(said)} lines:\n" + "\n".join(said[:40])
         assert f"PipelineAborted: rank {r}: " in said[0] and "because rank 0 vanished" in said[0]
     assert "PipelineStepError" not in out, out[-6000:]
+    return (
+        f"{launcher} {signame} rank 0 ({when}): {len(everything)} processes gone after {gone:.1f}s"
+    )
+
+
+RANK0_IDS = [f"{launcher}-{sig}-{when}" for launcher, sig, when, _ in RANK0_CASES]
+
+
+@pytest.mark.parametrize("case_id", RANK0_IDS)
+def test_a_stopped_or_killed_rank_0_ends_the_job_and_is_named(fault_matrix, case_id):
+    verdict = fault_matrix[f"rank0-{case_id}"]
+    assert verdict.startswith("ok: "), verdict
+    print(verdict)
+
+
+#: the tests that read the matrix, and the prefix of their cases in it
+_MATRIX_TESTS = {
+    "test_a_killed_or_stopped_rank_ends_the_job_and_is_named": "middle",
+    "test_a_stopped_or_killed_rank_0_ends_the_job_and_is_named": "rank0",
+}
