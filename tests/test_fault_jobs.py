@@ -131,6 +131,11 @@ def job(tmp_path):
 #: fills those waits. The bounds each case checks run from its own fault.
 PARALLEL_JOBS = 3
 
+#: pytest-timeout for the first matrix test, whose setup runs the whole matrix: the suite's
+#: default (300 s) bounds one job, not 18 of them on a loaded 2-core machine (6 rounds of 3).
+#: Each job still has its own bounds (its start, the watchdog + 10 s) and is killed at the end.
+MATRIX_TIMEOUT = 1200
+
 
 @pytest.fixture(scope="module")
 def fault_matrix(request, tmp_path_factory) -> dict[str, str]:
@@ -220,6 +225,7 @@ def _middle_rank_case(job: Job, launcher: str, sig: signal.Signals, world: int, 
 MIDDLE_IDS = ["lightning-SIGKILL", "lightning-SIGSTOP", "torchrun-SIGKILL", "torchrun-SIGSTOP"]
 
 
+@pytest.mark.timeout(MATRIX_TIMEOUT)
 @pytest.mark.parametrize("case_id", MIDDLE_IDS)
 def test_a_killed_or_stopped_rank_ends_the_job_and_is_named(fault_matrix, case_id):
     verdict = fault_matrix[f"middle-{case_id}"]
@@ -398,6 +404,7 @@ def _rank0_case(job: Job, launcher: str, signame: str, when: str, world: int) ->
 RANK0_IDS = [f"{launcher}-{sig}-{when}" for launcher, sig, when, _ in RANK0_CASES]
 
 
+@pytest.mark.timeout(MATRIX_TIMEOUT)
 @pytest.mark.parametrize("case_id", RANK0_IDS)
 def test_a_stopped_or_killed_rank_0_ends_the_job_and_is_named(fault_matrix, case_id):
     verdict = fault_matrix[f"rank0-{case_id}"]
