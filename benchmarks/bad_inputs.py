@@ -695,6 +695,46 @@ def cell(text: str, width: int = 150) -> str:
     return text if len(text) <= width else text[: width - 3] + "..."
 
 
+def load_rows(path: Path | None) -> list[dict] | None:
+    return None if path is None else json.loads(path.read_text())
+
+
+def summary(rows: list[dict]) -> str:
+    counts = Counter(r["class"] for r in rows)
+    return f"{len(rows)} inputs: " + ", ".join(f"{counts.get(k, 0)} {k}" for k in CLASSES)
+
+
+def render(rows: list[dict], before: list[dict] | None = None) -> str:
+    """The markdown table and the counts per class; with ``before`` (an earlier run's JSON, e.g.
+    on the old tree) a column with that run's class per input, and its counts (over the inputs
+    both runs hold)."""
+    old = {r["name"]: r for r in before or []}
+    head = "| # | area | input | via |" + (" before |" if before is not None else "")
+    head += " exit | before spawn | tracebacks | class | first line of the output's error |"
+    out = [head, "|" + "---|" * (head.count("|") - 1)]
+    for i, r in enumerate(rows, 1):
+        rc = "timeout" if r["rc"] is None else str(r["rc"])
+        extra = " (marker file created: code ran)" if r.get("marker_hit") else ""
+        was = ""
+        if before is not None:
+            was = f" {old[r['name']]['class']} |" if r["name"] in old else " - |"
+        out.append(
+            f"| {i} | {r['area']} | {cell(r['name'], 60)} | {r['kind']} |{was} {rc} | "
+            f"{'no' if r['spawned'] else 'yes'} | {r['tracebacks']} | {r['class']} | "
+            f"{cell(r['first_line'])}{extra} |"
+        )
+    out.append("")
+    if before is not None:
+        both = [old[r["name"]] for r in rows if r["name"] in old]
+        out.append(f"before: {summary(both)}")
+        out.append(f"after:  {summary([r for r in rows if r['name'] in old])}")
+        if len(both) != len(rows):
+            out.append(f"(all {summary(rows)})")
+    else:
+        out.append(summary(rows))
+    return "\n".join(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
@@ -707,7 +747,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", default=None, help="run only inputs whose name contains this")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     ap.add_argument("--keep", action="store_true", help="keep the outputs (printed path)")
+    ap.add_argument(
+        "--compare", type=Path, default=None, help="an earlier --json file: add its class column"
+    )
+    ap.add_argument(
+        "--report",
+        type=Path,
+        default=None,
+        help="run nothing: print the table of this --json file (with --compare)",
+    )
     args = ap.parse_args(argv)
+    if args.report is not None:
+        print(render(load_rows(args.report) or [], load_rows(args.compare)))
+        return 0
     tree = args.tree.resolve()
     todo = [c for c in cases() if args.only is None or args.only in c.name]
     work = Path(tempfile.mkdtemp(prefix="bad_inputs_"))
@@ -739,42 +791,25 @@ def main(argv: list[str] | None = None) -> int:
         results = list(pool.map(one, enumerate(todo)))
     total = time.monotonic() - start
 
-    print("| # | area | input | via | exit | before spawn | tracebacks | class | first line |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for i, r in enumerate(results, 1):
-        rc = "timeout" if r.rc is None else str(r.rc)
-        extra = " (marker file created: code ran)" if r.marker_hit else ""
-        print(
-            f"| {i} | {r.case.area} | {cell(r.case.name, 60)} | {r.case.kind} | {rc} | "
-            f"{'no' if r.spawned else 'yes'} | {r.tracebacks} | {r.klass} | "
-            f"{cell(r.first_line)}{extra} |"
-        )
-    counts = Counter(r.klass for r in results)
-    print()
-    print(
-        f"{len(results)} inputs in {total:.0f} s: "
-        + ", ".join(f"{counts.get(k, 0)} {k}" for k in CLASSES)
-    )
+    rows = [
+        {
+            "name": r.case.name,
+            "area": r.case.area,
+            "kind": r.case.kind,
+            "rc": r.rc,
+            "spawned": r.spawned,
+            "tracebacks": r.tracebacks,
+            "class": r.klass,
+            "first_line": r.first_line,
+            "marker_hit": r.marker_hit,
+            "seconds": round(r.seconds, 1),
+        }
+        for r in results
+    ]
     if args.json:
-        args.json.write_text(
-            json.dumps(
-                [
-                    {
-                        "name": r.case.name,
-                        "area": r.case.area,
-                        "kind": r.case.kind,
-                        "rc": r.rc,
-                        "spawned": r.spawned,
-                        "tracebacks": r.tracebacks,
-                        "class": r.klass,
-                        "first_line": r.first_line,
-                        "seconds": round(r.seconds, 1),
-                    }
-                    for r in results
-                ],
-                indent=1,
-            )
-        )
+        args.json.write_text(json.dumps(rows, indent=1))
+    print(render(rows, load_rows(args.compare)))
+    print(f"\n({len(rows)} inputs against {tree} in {total:.0f} s)")
     if not args.keep:
         import shutil
 
