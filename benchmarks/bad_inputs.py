@@ -42,6 +42,7 @@ import yaml
 MARKER = "[bad_inputs] rank process started"
 POLL_S = 2.0
 IDLE_WINDOW = 20.0
+HARD_CAP = 8
 CLASSES = ("clean", "works", "silently accepted", "after spawn", "unclean before spawn", "hang")
 
 # Modules of the table's own (written into the temporary directory, first on PYTHONPATH): a
@@ -547,39 +548,43 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
-def tree_cpu_seconds(pid: int) -> float:
-    """CPU time (user + system) of ``pid`` and its live descendants."""
-    total = 0
+def tree_sample(pid: int) -> tuple[float, bool]:
+    """CPU time (user + system) of ``pid`` and its live descendants, and whether any of them
+    is runnable or in uninterruptible sleep (state R or D: working, or waiting for a CPU)."""
+    ticks, busy = 0, False
     for p in [pid, *descendants(pid)]:
         try:
             with open(f"/proc/{p}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
-            total += int(fields[11]) + int(fields[12])  # utime, stime (clock ticks)
+            ticks += int(fields[11]) + int(fields[12])  # utime, stime (clock ticks)
+            busy = busy or fields[0] in ("R", "D")
         except (OSError, ValueError, IndexError):
             continue
-    return total / os.sysconf("SC_CLK_TCK")
+    return ticks / os.sysconf("SC_CLK_TCK"), busy
 
 
 def wait_or_hang(proc: subprocess.Popen, timeout: float) -> int | None:
     """The exit code, or ``None`` for a hang: past ``timeout`` seconds, a job whose processes
-    used under 1.5 CPU-seconds in the last ``IDLE_WINDOW`` seconds (blocked, not slow: on a
-    loaded machine a healthy job can take several times ``timeout`` to start its ranks), or any
-    job past ``4 * timeout``."""
+    all slept through the last ``IDLE_WINDOW`` seconds (never runnable when sampled, and under
+    1.5 CPU-seconds in all): blocked, not slow. On a loaded machine a healthy job at nice 19
+    can wait minutes for a CPU; it is runnable then, so it is not called a hang before
+    ``HARD_CAP * timeout``."""
     start = time.monotonic()
-    samples: list[tuple[float, float]] = []
+    samples: list[tuple[float, float, bool]] = []
     while True:
         try:
             return proc.wait(timeout=POLL_S)
         except subprocess.TimeoutExpired:
             pass
         now = time.monotonic()
-        samples.append((now, tree_cpu_seconds(proc.pid)))
+        samples.append((now, *tree_sample(proc.pid)))
         samples = [x for x in samples if now - x[0] <= IDLE_WINDOW + POLL_S]
         elapsed = now - start
-        if elapsed > 4 * timeout:
+        if elapsed > HARD_CAP * timeout:
             return None
         if elapsed > timeout and now - samples[0][0] >= IDLE_WINDOW:
-            if samples[-1][1] - samples[0][1] < 1.5:
+            idle = samples[-1][1] - samples[0][1] < 1.5 and not any(x[2] for x in samples)
+            if idle:
                 return None
 
 
@@ -766,6 +771,12 @@ def main(argv: list[str] | None = None) -> int:
         "--compare", type=Path, default=None, help="an earlier --json file: add its class column"
     )
     ap.add_argument(
+        "--resume",
+        type=Path,
+        default=None,
+        help="an earlier --json file of this run: keep its rows (except hangs), run the rest",
+    )
+    ap.add_argument(
         "--report",
         type=Path,
         default=None,
@@ -777,6 +788,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     tree = args.tree.resolve()
     todo = [c for c in cases() if args.only is None or args.only in c.name]
+    kept = [r for r in load_rows(args.resume) or [] if r["class"] != "hang"]
+    done_names = {r["name"] for r in kept}
+    order = {c.name: i for i, c in enumerate(todo)}
+    kept = [r for r in kept if r["name"] in order]
+    todo = [c for c in todo if c.name not in done_names]
     work = Path(tempfile.mkdtemp(prefix="bad_inputs_"))
     (work / "sitecustomize.py").write_text(SITECUSTOMIZE)
     (work / "bi_models.py").write_text(MODELS)
@@ -790,7 +806,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.monotonic()
     lock = threading.Lock()
     done = [0]
-    finished: list[dict] = []
+    finished: list[dict] = list(kept)
 
     def one(pair: tuple[int, Case]) -> Result:
         r = run_case(pair[1], tree, work, pair[0])
@@ -810,7 +826,7 @@ def main(argv: list[str] | None = None) -> int:
         results = list(pool.map(one, enumerate(todo)))
     total = time.monotonic() - start
 
-    rows = [row(r) for r in results]
+    rows = sorted(kept + [row(r) for r in results], key=lambda r: order[r["name"]])
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     print(render(rows, load_rows(args.compare)))
