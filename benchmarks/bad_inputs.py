@@ -771,6 +771,11 @@ def main(argv: list[str] | None = None) -> int:
         "--compare", type=Path, default=None, help="an earlier --json file: add its class column"
     )
     ap.add_argument(
+        "--first",
+        default="",
+        help="comma-separated areas to run first (the table keeps the listed order)",
+    )
+    ap.add_argument(
         "--resume",
         type=Path,
         default=None,
@@ -793,6 +798,8 @@ def main(argv: list[str] | None = None) -> int:
     order = {c.name: i for i, c in enumerate(todo)}
     kept = [r for r in kept if r["name"] in order]
     todo = [c for c in todo if c.name not in done_names]
+    first = [a for a in args.first.split(",") if a]
+    todo.sort(key=lambda c: first.index(c.area) if c.area in first else len(first))
     work = Path(tempfile.mkdtemp(prefix="bad_inputs_"))
     (work / "sitecustomize.py").write_text(SITECUSTOMIZE)
     (work / "bi_models.py").write_text(MODELS)
