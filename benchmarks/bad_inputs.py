@@ -510,6 +510,7 @@ ERROR_LINE = re.compile(
     r"invalid|unknown|not (a|an|supported)\b|\bfix\b)",
     re.IGNORECASE,
 )
+WARNING_AT = re.compile(r"^/\S+\.py:\d+: ")
 EXC_LINE = re.compile(r"^(\[rank\d+\]: )?[\w.]*(Error|Exception|Aborted|Interrupt)\b.*")
 
 
@@ -522,7 +523,9 @@ def first_error_line(text: str) -> str:
             if EXC_LINE.match(ln.strip()):
                 return ln.strip()
     for i, ln in enumerate(lines):
-        if ERROR_LINE.search(ln) and not ln.startswith("warnings.warn"):
+        if WARNING_AT.match(ln) or ln.startswith("warnings.warn"):
+            continue  # a library's warning ("/.../x.py:70: You defined ..."), not the error
+        if ERROR_LINE.search(ln):
             # a heading ("error: invalid configuration X:") is followed by the reason
             return f"{ln} {lines[i + 1]}" if ln.endswith(":") and i + 1 < len(lines) else ln
     return lines[-1] if lines else ""
