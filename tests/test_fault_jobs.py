@@ -233,9 +233,9 @@ def test_a_killed_or_stopped_rank_ends_the_job_and_is_named(fault_matrix, case_i
     print(verdict)
 
 
-def _assert_sigterm_saved(out: str, tmp: Path) -> Path:
+def _assert_sigterm_saved(out: str, tmp: Path, who: str = "") -> Path:
     ckpt = tmp / "hpc_ckpt_1.ckpt"
-    assert "received SIGTERM at step" in out, out[-6000:]
+    assert f"{who} received SIGTERM; every rank stopped at step" in out, out[-6000:]
     assert f"saved checkpoint {ckpt}" in out, out[-6000:]
     assert "exiting with code 143" in out, out[-6000:]
     assert ckpt.is_dir() and any(ckpt.iterdir()), list(tmp.iterdir())
@@ -251,8 +251,23 @@ def test_sigterm_saves_a_checkpoint_and_exits_non_zero(job):
         pytest.fail(f"the job did not stop after SIGTERM:\n{job.output()[-6000:]}")
     out = job.output()
     assert proc.returncode == 143, (proc.returncode, out[-6000:])
-    _assert_sigterm_saved(out, job.tmp)
+    # rank 0 forwards the signal to the ranks it launched, as Lightning's launcher does
+    _assert_sigterm_saved(out, job.tmp, "all 3 ranks")
     assert "requeue" not in out  # not a SLURM job
+
+
+def test_sigterm_to_one_rank_names_that_rank(job):
+    # a scheduler that signals rank 2 only: the line names rank 2, not the rank that prints it
+    cmd = [sys.executable, str(SCRIPTS / "fault_job.py"), "3", "60", "sigterm", "sigterm_rank=2"]
+    proc = job.start(cmd, _env(job.tmp))
+    try:
+        proc.wait(timeout=START_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the job did not stop after SIGTERM:\n{job.output()[-6000:]}")
+    out = job.output()
+    assert proc.returncode == 143, (proc.returncode, out[-6000:])
+    _assert_sigterm_saved(out, job.tmp, "[lightning-pp] rank 2")
+    assert "rank 0 received" not in out and "all 3 ranks" not in out, out[-6000:]
 
 
 def test_slurm_sigterm_requeues_the_job_after_saving(job, tmp_path):
@@ -286,7 +301,7 @@ def test_slurm_sigterm_requeues_the_job_after_saving(job, tmp_path):
             pytest.fail(f"a task did not stop after SIGTERM:\n{job.output()[-6000:]}")
     out = job.output()
     assert [p.returncode for p in job.procs] == [143] * world, out[-6000:]
-    _assert_sigterm_saved(out, tmp_path)
+    _assert_sigterm_saved(out, tmp_path, f"all {world} ranks")
     assert calls.read_text().splitlines() == ["requeue 4242"]  # once, by rank 0, after saving
     assert "requeued SLURM job 4242" in out
 

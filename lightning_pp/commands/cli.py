@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import re
 import sys
 from collections.abc import Sequence
 
@@ -32,8 +33,42 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def attach_negative_values(parser: argparse.ArgumentParser, argv: Sequence[str]) -> list[str]:
+    """``--opt -1GiB`` -> ``--opt=-1GiB`` for every option (of any subcommand) taking a value.
+
+    argparse reads a value that starts with ``-`` and is not a plain number as another option,
+    so ``--memory-per-device -1GiB`` ended in ``expected one argument``, an error about the
+    command line instead of the value. Attached, the value reaches the option's own check,
+    which says what a valid value looks like.
+    """
+    takes_value: set[str] = set()
+    parsers = [parser]
+    while parsers:
+        p = parsers.pop()
+        for action in p._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                parsers.extend(action.choices.values())
+            elif action.option_strings and action.nargs is None:
+                takes_value.update(action.option_strings)
+    out: list[str] = []
+    it = iter(argv)
+    for token in it:
+        if token in takes_value:
+            value = next(it, None)
+            if value is not None and re.match(r"-[0-9.]", value):
+                out.append(f"{token}={value}")
+                continue
+            out.append(token)
+            if value is not None:
+                out.append(value)
+            continue
+        out.append(token)
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(attach_negative_values(parser, sys.argv[1:] if argv is None else argv))
     return int(args.func(args) or 0)
 
 

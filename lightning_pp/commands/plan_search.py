@@ -87,6 +87,24 @@ def _global_batch(cfg: RunConfig, dp: int) -> int | None:
     return batch * dp if isinstance(batch, int) and not isinstance(batch, bool) else None
 
 
+def check_search_flags(args: argparse.Namespace) -> str | None:
+    """The message for a search flag that cannot work, before anything is profiled, else
+    ``None``. (``--top 0`` printed one row and ``--max-microbatches 0`` left no candidate,
+    reported with an empty reason.)"""
+    if args.top < 1:
+        return (
+            f"--top {args.top}: the table of ranked shapes needs at least one row; give "
+            f"--top N with N >= 1 (default 10)"
+        )
+    if args.max_microbatches is not None and args.max_microbatches < 1:
+        return (
+            f"--max-microbatches {args.max_microbatches}: every shape runs at least one "
+            f"microbatch per step, so no candidate is left; give --max-microbatches N with "
+            f"N >= 1 (default 64)"
+        )
+    return None
+
+
 def run_search(cfg: RunConfig, args: argparse.Namespace, command: str = "plan") -> int:
     """The ``--search`` report; 0, or 2 with a message."""
     from omegaconf import OmegaConf
@@ -105,6 +123,9 @@ def run_search(cfg: RunConfig, args: argparse.Namespace, command: str = "plan") 
     from lightning_pp.planner.search import describe_memory, describe_shape
 
     started = time.perf_counter()
+    flag_error = check_search_flags(args)
+    if flag_error is not None:
+        return fail(command, flag_error)
     try:
         checked = check_run(cfg, detect_launch_environment(), model="require", this_machine=False)
     except ConfigError as err:
@@ -119,9 +140,9 @@ def run_search(cfg: RunConfig, args: argparse.Namespace, command: str = "plan") 
     budget = None
     if args.memory_per_device is not None:
         try:
-            budget = parse_bytes(args.memory_per_device)
+            budget = parse_bytes(args.memory_per_device, key="--memory-per-device")
         except ValueError as err:
-            return fail(command, f"--memory-per-device: {err}")
+            return fail(command, str(err))
     if args.profile:
         try:
             profile = ModelProfile.load(args.profile)

@@ -91,6 +91,18 @@ def _balanced_counts(weights: Sequence[float], k: int) -> list[int]:
     return solve(lambda acc, part: acc + part * part, bound * (1 + 1e-12) + 1e-12)
 
 
+def _explicit_fix(num_layers: int, k: int) -> str:
+    """The fix for a wrong explicit split: what a valid one looks like for this model."""
+    if num_layers < k:
+        return f"the model has only {num_layers} layers, fewer than the {k} virtual stages"
+    base, rem = divmod(num_layers, k)
+    example = [base + (1 if s >= k - rem else 0) for s in range(k)]
+    return (
+        f"give {k} positive counts summing to {num_layers} (e.g. {example}, what "
+        f"partition='uniform' picks), or use partition='uniform'"
+    )
+
+
 def partition_layers(
     num_layers: int,
     pp: int,
@@ -123,17 +135,21 @@ def partition_layers(
         counts = [int(c) for c in method]
         if len(counts) != k:
             raise ValueError(
-                f"explicit split has {len(counts)} entries but pp({pp}) * vpp({vpp}) = {k} "
-                f"virtual stages: {format_split(counts)}"
+                f"partition={counts}: explicit split has {len(counts)} entries but pp({pp}) * "
+                f"vpp({vpp}) = {k} virtual stages: {format_split(counts)}; "
+                f"{_explicit_fix(num_layers, k)}"
             )
         if any(c < 1 for c in counts):
             raise ValueError(
-                f"every virtual stage needs at least one layer: {format_split(counts)}"
+                f"partition={counts}: every virtual stage needs at least one layer: "
+                f"{format_split(counts)}; "
+                f"{_explicit_fix(num_layers, k)}"
             )
         if sum(counts) != num_layers:
             raise ValueError(
-                f"explicit split sums to {sum(counts)} layers but the model has "
-                f"num_layers={num_layers}: {format_split(counts)}"
+                f"partition={counts}: explicit split sums to {sum(counts)} layers but the model "
+                f"has num_layers={num_layers}: {format_split(counts)}; "
+                f"{_explicit_fix(num_layers, k)}"
             )
         return _ranges(counts)
     if num_layers < k:

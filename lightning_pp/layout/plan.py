@@ -161,6 +161,16 @@ class PipelinePlan:
             warnings.simplefilter("always", PipelineWarning)
             built = check_schedule_args(schedule, pp, microbatches, vpp, group_size, warn=True)
         texts = tuple(str(w.message) for w in caught if issubclass(w.category, PipelineWarning))
+        if not isinstance(partition, str) and len(partition) != pp * built.vpp:
+            # known at construction (no model needed): refused here, not after spawn
+            k = pp * built.vpp
+            raise PreflightError(
+                f"partition={list(partition)}: explicit split has {len(partition)} entries but "
+                f"pp({pp}) * vpp({built.vpp}) = {k} virtual stages; give {k} per-stage layer "
+                f"counts (one per virtual stage, summing to the model's layer count), or use "
+                f"partition='uniform'",
+                key="partition",
+            )
         if warn:
             for text in texts:
                 warnings.warn(text, PipelineWarning, stacklevel=2)

@@ -113,7 +113,8 @@ def parse_bytes(value: Any, *, key: str = "activation_budget") -> int:
     if isinstance(value, (int, float)):
         n = value
     elif isinstance(value, str):
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", value)
+        # a sign is parsed so that '-1GiB' is told it must be positive, not that it is no size
+        m = re.fullmatch(r"\s*([+-]?[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", value)
         if m is None or m.group(2).lower() not in _UNITS:
             raise ValueError(
                 f"{key}={value!r} is not a size: use bytes (e.g. 6442450944) or a number with "
@@ -123,7 +124,10 @@ def parse_bytes(value: Any, *, key: str = "activation_budget") -> int:
     else:
         raise ValueError(f"{key} must be a byte count or a string like '6GiB', got {value!r}")
     if n <= 0:
-        raise ValueError(f"{key} must be positive, got {value!r}")
+        raise ValueError(
+            f"{key}={value!r}: a size must be positive; use bytes (e.g. 6442450944) or a "
+            f"positive number with a unit (e.g. '6GiB', '512MiB')"
+        )
     return int(n)
 
 

@@ -191,13 +191,27 @@ def bubble_warning(schedule: Schedule) -> str | None:
         return None
     simulated = _bubble(schedule.name, p, m, v)
     better = _bubble(schedule.name, p, 2 * p, v)
-    formula = f"(pp-1)/m = {p - 1}/{m}" if v == 1 else f"(pp-1)/(vpp*m) = {p - 1}/{v * m}"
+    # One unit throughout (idle time as a multiple of compute time), and a closed form only
+    # where it is this schedule's exact bubble: (pp-1)/(vpp*m) is interleaved 1F1B's, not
+    # ZB-V's or ZB-H1's (at pp=2, m=1 ZB-V idles 0.67x, not 1/2), so those show the simulator's.
+    formula = _closed_form(schedule.name, p, m, v)
+    how = f"= {formula}" if formula else f"simulated for schedule '{schedule.name}'"
     return (
         f"microbatches={m} < pp={p}: the pipeline never fills; each rank idles "
-        f"{simulated:.2f}x its compute time per step (bubble {formula}). Accepted (Megatron "
+        f"{simulated:.2f}x its compute time per step (bubble {how}). Accepted (Megatron "
         f"allows it too), but raise microbatches to at least {p} (microbatches={2 * p} gives "
         f"{better:.2f}x)."
     )
+
+
+def _closed_form(name: str, p: int, m: int, v: int) -> str | None:
+    """The textbook bubble of ``name`` as text where it is exact (the cases :func:`_bubble`
+    computes without the simulator), else ``None``."""
+    if name in ("gpipe", "1f1b") and v == 1:
+        return f"(pp-1)/m = {p - 1}/{m}"
+    if name == "interleaved" and m % p == 0:
+        return f"(pp-1)/(vpp*m) = {p - 1}/{v * m}"
+    return None
 
 
 def _bubble(name: str, p: int, m: int, v: int) -> float:

@@ -505,7 +505,9 @@ def search(
     )
     if not fits:
         raise SearchError(
-            _no_candidate_message(profile, world, global_batch, result, memory_per_device)
+            _no_candidate_message(
+                profile, world, global_batch, result, memory_per_device, space.max_microbatches
+            )
         )
     return result
 
@@ -606,6 +608,7 @@ def _no_candidate_message(
     global_batch: int,
     result: SearchResult,
     memory_per_device: int | None,
+    space_max: int | None = None,
 ) -> str:
     if result.over_memory:
         assert memory_per_device is not None
@@ -616,6 +619,13 @@ def _no_candidate_message(
             f"valid candidates need more. The nearest: {describe_candidate(nearest)}. Raise "
             f"--memory-per-device to at least {format_bytes(nearest.peak_bytes)}, or use more "
             f"devices (more pipeline stages hold fewer layers each)"
+        )
+    if not result.rejected and not result.considered:
+        # nothing was refused: the search space itself is empty, another world would not help
+        return (
+            f"no candidate to consider for world size {world} and a global batch of "
+            f"{global_batch}: the search space is empty (max_microbatches={space_max}); allow at "
+            f"least 1 microbatch (--max-microbatches N with N >= 1)"
         )
     reasons = "; ".join(f"{w}: {why.splitlines()[0]}" for w, why in result.rejected[:6])
     near = None

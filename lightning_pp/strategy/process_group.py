@@ -112,6 +112,7 @@ class ProcessGroupStrategy(ParallelStrategy):
         self._watcher: ProcessWatcher | None = None
         self._collectives: FailureMonitor | None = None
         self._sigterm_received = False
+        self._sigterm_ranks: list[int] = []
         self._store_host: StoreHost | None = None
         self._store_owner = "hosted by rank 0"
 
@@ -374,7 +375,20 @@ class ProcessGroupStrategy(ParallelStrategy):
             flag = torch.tensor([int(stop)], device=self._comm_device())
             stop = bool(self.all_reduce(flag, op=dist.ReduceOp.MAX, what="the SIGTERM flag").item())
         if stop:
+            self._sigterm_ranks = self._signalled_ranks()
             raise SIGTERMException()
+
+    def _signalled_ranks(self) -> list[int]:
+        """The global ranks that received the SIGTERM. Every rank calls it at the same batch
+        (the vote above told all of them to stop), so this second collective, which runs once
+        per job, is matched everywhere. Without it the line said rank 0 received a signal that
+        a scheduler had sent to rank 2 only."""
+        if self.world_size <= 1 or not compat.distributed_is_initialized():
+            return [self.global_rank] if self._sigterm_received else []
+        flags = torch.zeros(self.world_size, dtype=torch.int32, device=self._comm_device())
+        flags[self.global_rank] = int(self._sigterm_received)
+        flags = self.all_reduce(flags, op=dist.ReduceOp.SUM, what="which ranks got SIGTERM")
+        return [r for r, f in enumerate(flags.tolist()) if f]
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -389,7 +403,12 @@ class ProcessGroupStrategy(ParallelStrategy):
         auto-requeue saves and resumes it (when checkpointing is configured), requeue the SLURM
         job from rank 0 (``SLURMEnvironment(auto_requeue=True)``), say so, and exit 143."""
         trainer = self.lightning_module.trainer
-        said = [f"received SIGTERM at step {trainer.global_step} (max_steps={trainer.max_steps})"]
+        ranks = self._sigterm_ranks or [self.global_rank]
+        who = _rank_list(ranks, self.world_size)
+        said = [
+            f"{who} received SIGTERM; every rank stopped at step {trainer.global_step} "
+            f"(max_steps={trainer.max_steps})"
+        ]
         if trainer.checkpoint_callback is not None:
             path = trainer.strategy.broadcast(compat.hpc_save_path(trainer))
             trainer.save_checkpoint(path)  # collective: every rank writes its shard
@@ -410,10 +429,19 @@ class ProcessGroupStrategy(ParallelStrategy):
                 )
         said.append(f"exiting with code {SIGTERM_EXIT_CODE}")
         if self.is_global_zero:
-            print(f"[lightning-pp] rank {self.global_rank}: " + "; ".join(said), flush=True)
+            print("[lightning-pp] " + "; ".join(said), flush=True)
         exception.code = SIGTERM_EXIT_CODE
 
     @override
     def teardown(self) -> None:
         self._stop_failure_handling()
         super().teardown()
+
+
+def _rank_list(ranks: list[int], world_size: int) -> str:
+    """``rank 2``, ``ranks 1, 3`` or ``all 4 ranks``."""
+    if len(ranks) == world_size and world_size > 1:
+        return f"all {world_size} ranks"
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    return "ranks " + ", ".join(map(str, ranks))

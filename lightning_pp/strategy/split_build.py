@@ -64,6 +64,7 @@ from ..runtime.grad_sync import TiedGroup, TiedParameterSync
 from ..runtime.microbatch import batch_size_of, batch_size_or_none
 from . import eval_step
 from .engine_build import LossScale
+from .model import PipelineLayers, PipelineMixin
 from .module_rules import check_no_scaler
 
 __all__ = ["SplitPipeline"]
@@ -161,6 +162,60 @@ class _SplitChunk(nn.Module):
         return self._pipeline[0].run_chunk(self.chunk, x, microbatch)
 
 
+def split_mixin_message(split: str, module: Any) -> str | None:
+    """Why ``split=`` cannot run a ``PipelineMixin`` whose ``layers`` is not a
+    ``PipelineLayers`` and which keeps the mixin's steps, else ``None``.
+
+    ``split=`` runs the module's own ``training_step``; the mixin's runs
+    ``self.pipeline_layers()``, which needs a ``PipelineLayers``. Left alone this ended in the
+    mixin's ``TypeError`` telling the user to create ``PipelineLayers`` in ``configure_model()``,
+    which is a fix for the other path (without ``split=``), not for this one.
+    """
+    if not isinstance(module, PipelineMixin):
+        return None
+    if isinstance(getattr(module, "layers", None), PipelineLayers):
+        return None  # the explicit-layers model: not this message's case
+    if type(module).training_step is not PipelineMixin.training_step:
+        return None  # its own training_step runs under split=
+    name = type(module).__name__
+    kind = type(getattr(module, "layers", None)).__name__
+    return (
+        f"split={split!r}: {name} is a PipelineMixin whose layers is a {kind}, not "
+        f"PipelineLayers, and it keeps the mixin's training_step, which runs "
+        f"self.pipeline_layers() (a PipelineLayers); split= runs the module's own training_step. "
+        f"Fix: either drop split= and build self.layers = PipelineLayers([...]) in "
+        f"configure_model() (the PipelineMixin path), or keep split={split!r} and define "
+        f"{name} as a plain LightningModule (without PipelineMixin) with its own training_step"
+    )
+
+
+def split_cost_partition_message(
+    split: str, pp: int, vpp: int, num_blocks: int | None = None
+) -> str:
+    """Why ``partition="cost"`` cannot cut a ``split=`` model, and what to use instead (for
+    whichever check finds it first: it needs no model, the block count only sharpens the fix).
+
+    ``"cost"`` balances measured per-layer costs, which a model written for the pipeline gives
+    through ``PipelineMixin.pipeline_layer_costs()``; an unmodified model has no such hook and
+    the strategy does not measure its blocks, so the partition's own request (``layer_costs``)
+    would name an argument the user cannot pass.
+    """
+    k = pp * vpp
+    blocks = "the blocks'" if num_blocks is None else f"the {num_blocks} blocks'"
+    if num_blocks is not None and num_blocks >= k:
+        base, rem = divmod(num_blocks, k)
+        example = f"such as {[base + (1 if s >= k - rem else 0) for s in range(k)]}"
+    else:
+        example = "(one per stage)"
+    return (
+        f"partition='cost' with split={split!r}: the cost partition balances measured costs per "
+        f"layer (PipelineMixin.pipeline_layer_costs()), which an unmodified model split by "
+        f"name does not provide. Fix: partition='parameters' (balances {blocks} parameter "
+        f"counts over pp({pp}) * vpp({vpp}) = {k} stages), partition='uniform', or {k} explicit "
+        f"block counts {example}"
+    )
+
+
 class SplitPipeline:
     """The ``split=`` path of :class:`~lightning_pp.strategy.PipelineStrategy` (see the module
     docstring). ``split``: dotted name, relative to the LightningModule, of the ModuleList of
@@ -180,6 +235,9 @@ class SplitPipeline:
     # ------------------------------------------------------------------ building
     def _layout(self, layout: RankLayout, module: Any, twin: nn.Module) -> SplitLayout:
         """Cut the blocks as the strategy's plan says (``partition``, ``pp * vpp``)."""
+        mixin = split_mixin_message(self.split, module)
+        if mixin is not None:
+            raise SplitError(mixin)
         try:
             blocks = twin.get_submodule(self.split)
         except AttributeError as e:
@@ -191,6 +249,11 @@ class SplitPipeline:
         if not isinstance(blocks, (nn.ModuleList, nn.Sequential)):
             SplitLayout.discover(twin, self.split, 1)  # raises the error naming the type
         params = [sum(p.numel() for p in b.parameters()) for b in blocks]
+        plan = layout.need_plan()
+        if plan.partition == "cost":
+            raise SplitError(
+                split_cost_partition_message(self.split, plan.pp, plan.vpp, len(blocks))
+            )
         plan = layout.with_layers(len(blocks), layer_params=params)
         return SplitLayout.discover(
             twin, self.split, plan.num_stages, placement=self.placement, ranges=plan.layer_ranges

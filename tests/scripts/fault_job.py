@@ -1,13 +1,15 @@
 """A long Trainer + PipelineStrategy job for process-level fault tests (tests/test_fault_jobs.py).
 
-Usage: ``python fault_job.py PP WATCHDOG [sigterm] [schedule=NAME] [fault=ckpt-stop|ckpt-kill]``.
+Usage: ``python fault_job.py PP WATCHDOG [sigterm] [sigterm_rank=R] [schedule=NAME]
+[fault=ckpt-stop|ckpt-kill]``.
 Every rank writes ``ready.<rank>`` (its pid) into ``$FAULT_DIR`` once its second training batch
 ended, then trains on (up to 100000 steps) until the test signals one of them. Launched by
 Lightning's launcher (``devices=PP``), by torchrun (the world from its environment) or as SLURM
 tasks (``SLURM_*`` variables). ``schedule=zbv`` runs ZB-V (two chunks per rank).
 
-With ``sigterm``, global rank 0 sends SIGTERM to its own process at batch 3 (a scheduler's
-preemption), or every rank does when ``FAULT_ALL_SIGTERM=1`` (SLURM signals every task).
+With ``sigterm``, global rank 0 (``sigterm_rank=R``: rank R) sends SIGTERM to its own process
+at batch 3 (a scheduler's preemption), or every rank does when ``FAULT_ALL_SIGTERM=1`` (SLURM
+signals every task).
 
 With ``fault=ckpt-stop`` (``ckpt-kill``) a checkpoint is saved every 3 steps, and in the first
 one after ``$FAULT_DIR/go`` exists global rank 0 stops (kills) itself in the middle of the save:
@@ -56,8 +58,8 @@ class FaultInSave(Callback):
 
 
 class Ready(Callback):
-    def __init__(self, out: str, sigterm: bool) -> None:
-        self.out, self.sigterm = out, sigterm
+    def __init__(self, out: str, sigterm: bool, sigterm_rank: int = 0) -> None:
+        self.out, self.sigterm, self.sigterm_rank = out, sigterm, sigterm_rank
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         rank = trainer.global_rank
@@ -67,7 +69,7 @@ class Ready(Callback):
                 f.write(str(os.getpid()))
             os.replace(path + ".tmp", path)
         everyone = os.environ.get("FAULT_ALL_SIGTERM") == "1"
-        if self.sigterm and batch_idx == 3 and (rank == 0 or everyone):
+        if self.sigterm and batch_idx == 3 and (rank == self.sigterm_rank or everyone):
             os.kill(os.getpid(), signal.SIGTERM)
 
 
@@ -88,7 +90,7 @@ def main() -> None:
     strategy = PipelineStrategy(
         pp=pp, vpp=vpp, microbatches=microbatches, schedule=schedule, watchdog_timeout=watchdog
     )
-    callbacks: list[Callback] = [Ready(out, sigterm)]
+    callbacks: list[Callback] = [Ready(out, sigterm, int(options.get("sigterm_rank", 0)))]
     if sigterm:
         callbacks.append(ModelCheckpoint(dirpath=os.path.join(out, "ckpt"), every_n_train_steps=0))
     if fault is not None:
