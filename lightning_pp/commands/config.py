@@ -313,14 +313,25 @@ def _check_strategy(strategy: Any, errors: _Errors) -> None:
         errors.add("strategy", "lightning_pp.strategy.PipelineStrategy is not importable")
         return
     _check_kwargs(cls, strategy, "strategy", "not an argument of PipelineStrategy", errors)
-    if "recompute" in strategy or "activation_budget" in strategy:
-        from ..layout.recompute_spec import check_recompute
+    # The settings-only rules PipelineStrategy.__init__ applies, with the same functions, so
+    # that a file is refused here exactly when the strategy would refuse it.
+    from ..layout.recompute_spec import check_recompute
+    from ..layout.rules import PreflightError, check_split_settings
 
-        try:
-            check_recompute(strategy.get("recompute"), strategy.get("activation_budget"))
-        except ValueError as e:
-            key = "activation_budget" if str(e).startswith("activation_budget") else "recompute"
-            errors.add(f"strategy.{key}", str(e))
+    split = strategy.get("split")
+    try:
+        check_recompute(
+            strategy.get("recompute"), strategy.get("activation_budget"), split=split or None
+        )
+    except ValueError as e:
+        key = "activation_budget" if str(e).startswith("activation_budget") else "recompute"
+        errors.add(f"strategy.{key}", str(e))
+    try:
+        check_split_settings(
+            split or None, strategy.get("split_placement"), strategy.get("partition", "uniform")
+        )
+    except PreflightError as e:
+        errors.add(f"strategy.{e.key}", str(e))
 
 
 def _check_callbacks(callbacks: Any, errors: _Errors) -> None:

@@ -105,11 +105,18 @@ def run_search(cfg: RunConfig, args: argparse.Namespace, command: str = "plan") 
     from lightning_pp.planner.search import describe_memory, describe_shape
 
     started = time.perf_counter()
+    if args.devices is not None and args.devices < 1:
+        # Checked before the config's world could stand in for it: 0 is not "unset".
+        return fail(
+            command,
+            f"--devices {args.devices}: the search needs a world of at least 1 process; give "
+            f"--devices N with N >= 1 (or leave it out to search the config's world size)",
+        )
     try:
         checked = check_run(cfg, detect_launch_environment(), model="require", this_machine=False)
     except ConfigError as err:
         return fail(command, str(err))
-    world = args.devices or checked.world
+    world = args.devices if args.devices is not None else checked.world
     if world is None or world < 1:
         return fail(command, "--search needs the world size: give --devices N (N >= 1)")
     dp_now = checked.plan.dp if checked.plan is not None and checked.plan.dp else 1

@@ -55,7 +55,7 @@ from ..layout.placement import LayerPlacement
 from ..layout.plan import PipelinePlan
 from ..layout.rank_layout import RankLayout
 from ..layout.recompute_spec import RecomputeSpec, check_recompute
-from ..layout.rules import check_settings, default_schedule
+from ..layout.rules import check_settings, check_split_settings, default_schedule
 from ..layout.topology import PipelineTopology, ProcessGroups, build_process_groups
 from ..runtime.errors import DEFAULT_WATCHDOG_TIMEOUT, PipelineAborted, report_failure
 from ..runtime.grad_sync import DeferredGradSync, TiedParameterSync
@@ -175,6 +175,7 @@ class PipelineStrategy(ProcessGroupStrategy):
         self.recompute, self.activation_budget = check_recompute(
             recompute, activation_budget, split=split
         )
+        check_split_settings(split, split_placement, partition)
         #: the ``split=`` path (an unmodified model cut between its blocks), else ``None``
         self.split_pipeline = SplitPipeline(split, split_placement) if split else None
         #: builds and stages this rank's layers: ``split=``'s, or the module's PipelineLayers

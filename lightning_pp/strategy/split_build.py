@@ -65,6 +65,7 @@ from ..runtime.microbatch import batch_size_of, batch_size_or_none
 from . import eval_step
 from .engine_build import LossScale
 from .module_rules import check_no_scaler
+from .preflight import split_layout
 
 __all__ = ["SplitPipeline"]
 
@@ -179,22 +180,17 @@ class SplitPipeline:
 
     # ------------------------------------------------------------------ building
     def _layout(self, layout: RankLayout, module: Any, twin: nn.Module) -> SplitLayout:
-        """Cut the blocks as the strategy's plan says (``partition``, ``pp * vpp``)."""
-        try:
-            blocks = twin.get_submodule(self.split)
-        except AttributeError as e:
-            raise SplitError(
-                f"split={self.split!r}: {type(module).__name__} has no such "
-                f"module (the name is relative to the LightningModule, e.g. "
-                f"'model.transformer.h')"
-            ) from e
-        if not isinstance(blocks, (nn.ModuleList, nn.Sequential)):
-            SplitLayout.discover(twin, self.split, 1)  # raises the error naming the type
-        params = [sum(p.numel() for p in b.parameters()) for b in blocks]
-        plan = layout.with_layers(len(blocks), layer_params=params)
-        return SplitLayout.discover(
-            twin, self.split, plan.num_stages, placement=self.placement, ranges=plan.layer_ranges
+        """Cut the blocks as the strategy's plan says (``partition``, ``pp * vpp``), by the
+        pre-flight's rules (:func:`~lightning_pp.strategy.preflight.split_layout`, which
+        ``lightning-pp plan``/``fit`` ran on the meta build already)."""
+        split_layout_, plan = split_layout(
+            twin, self.split, self.placement, layout.need_plan(), type(module).__name__
         )
+        blocks = [twin.get_submodule(b) for b in split_layout_.blocks]
+        params = [sum(p.numel() for p in b.parameters()) for b in blocks]
+        layout.with_layers(len(blocks), layer_params=params)
+        assert layout.plan is not None and layout.plan.layer_ranges == plan.layer_ranges
+        return split_layout_
 
     def _stages(self, layout: RankLayout) -> list[int]:
         return list(layout.need_plan().schedule.stages_of(layout.need_topology().pp_rank))
