@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from lightning_pp.autosplit.split import SplitError
 from lightning_pp.commands.config import (
     ConfigError,
     RunConfig,
@@ -34,7 +35,6 @@ from lightning_pp.commands.config import (
 )
 from lightning_pp.commands.launch import LaunchEnvironment
 from lightning_pp.layout.plan import PipelinePlan
-from lightning_pp.autosplit.split import SplitError
 from lightning_pp.layout.rules import PreflightError, check_settings
 from lightning_pp.strategy.preflight import check_module
 

@@ -67,6 +67,8 @@ __all__ = [
     "recompute_active",
     "select_positions",
     "select_targets",
+    "selective_matches",
+    "selective_units",
 ]
 
 
@@ -83,7 +85,7 @@ def _layers_of(chunk: nn.Module) -> list[tuple[str, int | None, nn.Module]]:
     return [("", None, chunk)]  # an opaque chunk: one unit
 
 
-def _selective_units(chunk: nn.Module) -> list[tuple[str, nn.Module]]:
+def selective_units(chunk: nn.Module) -> list[tuple[str, nn.Module]]:
     """Where a ``Selective`` pattern's names start: each pipeline layer, or each module a
     ``split=`` stage owns (its ``owned`` list: blocks and placed modules), so that
     ``"selective:attn"`` means the same module on both paths."""
@@ -105,7 +107,7 @@ def select_targets(chunks: Sequence[nn.Module], spec: Any) -> Targets:
     for chunk in chunks:
         picked: list[tuple[str, nn.Module]] = []
         if isinstance(spec, Selective):
-            for name, unit in _selective_units(chunk):
+            for name, unit in selective_units(chunk):
                 for sub_name, sub in selective_matches(unit, spec):
                     picked.append((f"{name}.{sub_name}" if name else sub_name, sub))
         elif spec is not None:

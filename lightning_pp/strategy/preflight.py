@@ -18,7 +18,8 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import contextlib
+from collections.abc import Generator, Iterable, Sequence
 from typing import Any
 
 from torch import nn
@@ -29,7 +30,7 @@ from ..layout.recompute_spec import Selective, parse_recompute
 from ..layout.rules import PreflightError
 from ..runtime.recompute import selective_matches
 
-__all__ = ["check_module", "check_recompute_targets", "split_layout"]
+__all__ = ["check_module", "check_recompute_targets", "meta_view", "split_layout"]
 
 # The most candidate names an error lists (a 1B model has thousands of submodules).
 _MAX_CANDIDATES = 24
@@ -52,16 +53,15 @@ def split_layout(
         blocks = model.get_submodule(split)
     except AttributeError as e:
         raise SplitError(
-            f"split={split!r}: {owner or type(model).__name__} has no such module (the name is relative "
-            f"to the LightningModule, e.g. 'model.transformer.h'; modules holding blocks: "
+            f"split={split!r}: {owner or type(model).__name__} has no such module (the name is "
+            f"relative to the LightningModule, e.g. 'model.transformer.h'; modules holding blocks: "
             f"{_containers(model)})"
         ) from e
     if not isinstance(blocks, (nn.ModuleList, nn.Sequential)):
         hint = ""
         if type(blocks).__name__ == "PipelineLayers":
             hint = (
-                " (a PipelineLayers model is cut by the strategy without split=: leave split "
-                "unset)"
+                " (a PipelineLayers model is cut by the strategy without split=: leave split unset)"
             )
         raise SplitError(
             f"split={split!r} is a {type(blocks).__name__}; it must name the ModuleList (or "
@@ -166,3 +166,29 @@ def check_module(
     assert plan.layer_ranges is not None
     check_recompute_targets(recompute, plan.layer_ranges[-1].stop, units)
     return plan
+
+
+@contextlib.contextmanager
+def meta_view(module: Any) -> Generator[Any, None, None]:
+    """``module`` with its model built on the meta device (``configure_model`` run under
+    ``torch.device("meta")``; a ``PipelineLayers`` builds none of its layers, which
+    :func:`check_module` builds one by one on meta), for the checks only: afterwards the
+    module's attributes, children, parameters and buffers are what they were, so Lightning's
+    own ``configure_model`` call later builds it as if nothing happened."""
+    import torch
+
+    from .model import select_layers
+
+    saved = dict(module.__dict__)
+    for key in ("_modules", "_parameters", "_buffers", "_non_persistent_buffers_set"):
+        if key in saved:
+            saved[key] = type(saved[key])(saved[key])
+    configure = getattr(module, "configure_model", None)
+    try:
+        with torch.device("meta"), select_layers(lambda layers: []):
+            if callable(configure):
+                configure()
+        yield module
+    finally:
+        module.__dict__.clear()
+        module.__dict__.update(saved)
