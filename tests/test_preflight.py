@@ -358,3 +358,26 @@ def test_api_fit_refuses_a_wrong_partition_before_launch(tmp_path):
         mp.start_processes = real
     assert spawned == []
     assert model.layers is None, "the meta check left the module changed"
+
+
+def test_a_budget_refused_after_launch_is_said_once(monkeypatch, capsys):
+    """recompute='auto' is planned on the first batch, after launch, where every rank raises
+    the same RecomputeBudgetError: `fit` prints it once (global rank 0) and exits 2 on every
+    rank, with no traceback."""
+    import lightning.pytorch as pl
+
+    from lightning_pp.planner.recompute import RecomputeBudgetError
+
+    def fit(self, *args, **kwargs):
+        raise RecomputeBudgetError("rank 0 needs at least 2.00 MiB; the budget is 1.00 KiB")
+
+    monkeypatch.setattr(pl.Trainer, "fit", fit)
+    args = ["strategy.recompute=auto", "strategy.activation_budget=1kB", "--no-summary"]
+    assert main(["fit", str(DEMO), *args]) == 2
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and "Traceback" not in err
+    assert "'strategy.activation_budget': rank 0 needs at least 2.00 MiB" in err
+
+    monkeypatch.setattr(pl.Trainer, "is_global_zero", property(lambda self: False))
+    assert main(["fit", str(DEMO), *args]) == 2
+    assert "error" not in capsys.readouterr().err  # the other ranks say nothing
