@@ -12,6 +12,7 @@ launcher; every Lightning strategy overrides it) and the ``_launcher`` attribute
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -143,7 +144,10 @@ def optimizers_to_device(optimizers: list[Optimizer], device: torch.device) -> N
 
 
 def subprocess_script_launcher(
-    cluster_environment: ClusterEnvironment, num_processes: int, num_nodes: int
+    cluster_environment: ClusterEnvironment,
+    num_processes: int,
+    num_nodes: int,
+    before_launch: Callable[[Any], None] | None = None,
 ) -> Any:
     """A subclass of ``lightning.pytorch.strategies.launchers._SubprocessScriptLauncher``
     (private, 2.6) whose ``launch`` supervises the children it starts.
@@ -165,6 +169,8 @@ def subprocess_script_launcher(
 
     class SupervisingSubprocessLauncher(_SubprocessScriptLauncher):
         def launch(self, function: Any, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+            if before_launch is not None:
+                before_launch(trainer)  # refuse before any child process exists
             self.cluster_environment.validate_settings(
                 num_devices=self.num_processes, num_nodes=self.num_nodes
             )
@@ -187,15 +193,24 @@ def subprocess_script_launcher(
     return SupervisingSubprocessLauncher(cluster_environment, num_processes, num_nodes)
 
 
-def multiprocessing_launcher(strategy: Strategy, start_method: str) -> Any:
+def multiprocessing_launcher(
+    strategy: Strategy, start_method: str, before_launch: Callable[[Any], None] | None = None
+) -> Any:
     """``lightning.pytorch.strategies.launchers._MultiProcessingLauncher`` (private, 2.6).
 
     Why: ``start_method="spawn"/"fork"`` launches in-process like ``strategy="ddp_spawn"``
-    (needed under pytest and notebooks); private class, as above.
+    (needed under pytest and notebooks); private class, as above. ``before_launch(trainer)``
+    runs in the launching process before any process starts (the strategy's pre-flight).
     """
     from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 
-    return _MultiProcessingLauncher(strategy, start_method=start_method)
+    class CheckedMultiProcessingLauncher(_MultiProcessingLauncher):
+        def launch(self, function: Any, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+            if before_launch is not None:
+                before_launch(trainer)
+            return super().launch(function, *args, trainer=trainer, **kwargs)
+
+    return CheckedMultiProcessingLauncher(strategy, start_method=start_method)
 
 
 # ------------------------------------------------------------------------------- distributed

@@ -21,9 +21,10 @@ import argparse
 import inspect
 import sys
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from lightning_pp.autosplit.split import SplitError
 from lightning_pp.commands.config import (
     ConfigError,
     RunConfig,
@@ -35,6 +36,7 @@ from lightning_pp.commands.config import (
 from lightning_pp.commands.launch import LaunchEnvironment
 from lightning_pp.layout.plan import PipelinePlan
 from lightning_pp.layout.rules import PreflightError, check_settings
+from lightning_pp.strategy.preflight import check_module
 
 __all__ = [
     "MetaModelInfo",
@@ -128,6 +130,8 @@ class MetaModelInfo:
     layer_params: list[int] | None
     layer_costs: list[float] | None
     on_meta: bool
+    #: the module itself, on the meta device (what the pre-flight's module rules read)
+    module: Any = field(default=None, repr=False, compare=False)
 
     @property
     def num_layers(self) -> int | None:
@@ -163,7 +167,7 @@ def meta_model_info(cfg: RunConfig) -> MetaModelInfo:
                 counts.append(sum(p.numel() for p in layer.parameters()))
         costs_fn = getattr(model, "pipeline_layer_costs", None)
         costs = costs_fn() if callable(costs_fn) else None
-    return MetaModelInfo(type(model).__name__, total, names, counts, costs, on_meta)
+    return MetaModelInfo(type(model).__name__, total, names, counts, costs, on_meta, model)
 
 
 # --------------------------------------------------------------------------------------------
@@ -338,7 +342,9 @@ def _plan_error(
     cfg: RunConfig, err: PreflightError, devices: int | None, num_nodes: int, launched: bool
 ) -> ConfigError:
     """A plan error in the config's words: the key, where its value came from, the fix."""
-    keys = {name: f"strategy.{name}" for name in (*_PLAN_ARGS, "dp")}
+    keys = {
+        name: f"strategy.{name}" for name in (*_PLAN_ARGS, "dp", "recompute", "split_placement")
+    }
     keys.update(
         world_size="trainer.devices",
         batch_size=_data_key(cfg, "batch_size"),
@@ -384,8 +390,11 @@ def check_run(
     model_spec = cfg.get("model")
     target = model_spec.get("class_path", model_spec.get("_target_"))
     has_layers = hasattr(import_class(target), "pipeline_layers")
+    strategy_spec = cfg.get("strategy")
+    # PipelineStrategy(split=...) cuts an unmodified model between its blocks (no layers hook)
+    split = isinstance(strategy_spec, Mapping) and bool(strategy_spec.get("split"))
     info = None
-    if model == "require" or (model == "try" and settings is not None and has_layers):
+    if model == "require" or (model == "try" and settings is not None and (has_layers or split)):
         try:
             info = meta_model_info(cfg)
         except Exception as err:  # a user model that cannot be built on meta: say which and why
@@ -398,9 +407,6 @@ def check_run(
     pp, vpp = settings.get("pp"), settings.get("vpp", 1)
     # pp=None over a world not known yet: the strategy checks the module when it is
     cut = (pp if pp is not None else (world or 1)) * (vpp or 1) > 1
-    strategy_spec = cfg.get("strategy")
-    # PipelineStrategy(split=...) cuts an unmodified model between its blocks (no layers hook)
-    split = isinstance(strategy_spec, Mapping) and bool(strategy_spec.get("split"))
     if cut and not has_layers and not split:
         raise ConfigError(
             f"model {target} ({cfg.section_origin('model')}) has no pipeline_layers() "
@@ -431,6 +437,21 @@ def check_run(
                 layer_params=info.layer_params,
                 layer_costs=info.layer_costs,
             )
+        if info is not None and info.module is not None and (has_layers or split):
+            # The rules the strategy applies to the module on every rank after launch, by the
+            # same function, on the meta build: refused here, once, instead of there.
+            assert isinstance(strategy_spec, Mapping) or strategy_spec == "pipeline"
+            section = strategy_spec if isinstance(strategy_spec, Mapping) else {}
+            plan = check_module(
+                info.module,
+                plan,
+                split=section.get("split") or None,
+                split_placement=section.get("split_placement"),
+                recompute=None if section.get("recompute") == "auto" else section.get("recompute"),
+            )
     except PreflightError as err:
         raise _plan_error(cfg, err, devices, num_nodes, launch is not None) from None
+    except SplitError as err:
+        key = "strategy.split_placement" if str(err).startswith("placement") else "strategy.split"
+        raise ConfigError(f"{_where(cfg, key)}: {err}") from None
     return RunCheck(world, devices, num_nodes, plan, True, info, notes)

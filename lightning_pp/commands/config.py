@@ -313,14 +313,30 @@ def _check_strategy(strategy: Any, errors: _Errors) -> None:
         errors.add("strategy", "lightning_pp.strategy.PipelineStrategy is not importable")
         return
     _check_kwargs(cls, strategy, "strategy", "not an argument of PipelineStrategy", errors)
-    if "recompute" in strategy or "activation_budget" in strategy:
-        from ..layout.recompute_spec import check_recompute
+    # The settings-only rules PipelineStrategy.__init__ applies, with the same functions, so
+    # that a file is refused here exactly when the strategy would refuse it.
+    from ..layout.recompute_spec import check_recompute
+    from ..layout.rules import PreflightError, check_split_settings
 
-        try:
-            check_recompute(strategy.get("recompute"), strategy.get("activation_budget"))
-        except ValueError as e:
-            key = "activation_budget" if str(e).startswith("activation_budget") else "recompute"
-            errors.add(f"strategy.{key}", str(e))
+    split = strategy.get("split")
+    try:
+        check_recompute(
+            strategy.get("recompute"), strategy.get("activation_budget"), split=split or None
+        )
+    except ValueError as e:
+        key = "activation_budget" if str(e).startswith("activation_budget") else "recompute"
+        errors.add(f"strategy.{key}", str(e))
+    try:
+        pp, vpp = strategy.get("pp"), strategy.get("vpp")
+        check_split_settings(
+            split or None,
+            strategy.get("split_placement"),
+            strategy.get("partition", "uniform"),
+            pp=pp if isinstance(pp, int) else None,
+            vpp=vpp if isinstance(vpp, int) else None,
+        )
+    except PreflightError as e:
+        errors.add(f"strategy.{e.key}", str(e))
 
 
 def _check_callbacks(callbacks: Any, errors: _Errors) -> None:
@@ -392,6 +408,10 @@ def _check_spec(
     except ConfigError as err:
         errors.add(f"{key}.{'class_path' if prefix else '_target_'}", str(err))
         return
+    refused = refuse_callable(cls, target, key)
+    if refused is not None:
+        errors.add(f"{key}.{'class_path' if prefix else '_target_'}", refused)
+        return  # its arguments are not looked at: it will never be called
     _check_kwargs(
         cls,
         kwargs,
@@ -399,6 +419,75 @@ def _check_spec(
         f"not an argument of {target}",
         errors,
         skip_params=skip_params,
+    )
+
+
+# What a class spec may name, by where it stands in the run file: a class (never a function,
+# whose "construction" would run it) that is a subclass of the section's base. Checked at load,
+# before anything is called, by every command (plan, fit, plan --search): a spec that fails
+# here is never called. Nested specs (a class spec as an argument) may name any of the bases.
+_SECTION_BASES: dict[str, tuple[str, ...]] = {
+    "model": ("lightning.pytorch.LightningModule",),
+    "data": ("lightning.pytorch.LightningDataModule",),
+    "optimizer": ("torch.optim.Optimizer",),
+    "lr_scheduler": ("torch.optim.lr_scheduler.LRScheduler",),
+    "callbacks": ("lightning.pytorch.callbacks.Callback",),
+    "logger": ("lightning.pytorch.loggers.Logger",),
+    "strategy": ("lightning.pytorch.strategies.Strategy",),
+}
+_NESTED_BASES: tuple[str, ...] = (
+    *(b for bases in _SECTION_BASES.values() for b in bases),
+    "torch.nn.Module",
+    "torch.utils.data.Dataset",
+    "lightning.pytorch.accelerators.Accelerator",
+    "lightning.pytorch.plugins.precision.Precision",
+    "lightning.fabric.plugins.CheckpointIO",
+    "lightning.fabric.plugins.environments.ClusterEnvironment",
+    "lightning.pytorch.plugins.layer_sync.LayerSync",
+    "lightning.pytorch.profilers.Profiler",
+    "datetime.timedelta",
+)
+
+
+def _bases_for(key: str) -> tuple[str, ...]:
+    """The allowed bases of the spec at dotted ``key`` (``model``, ``callbacks.0``, a nested
+    ``model.init_args.x``...)."""
+    parts = key.split(".")
+    top = parts[0]
+    if top in _SECTION_BASES and (len(parts) == 1 or (len(parts) == 2 and parts[1].isdigit())):
+        return _SECTION_BASES[top]
+    return _NESTED_BASES
+
+
+def _resolve_base(path: str) -> type | None:
+    module_name, _, attr = path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module_name), attr)  # type: ignore[no-any-return]
+    except (ImportError, AttributeError):  # an optional base this Lightning lacks: not allowed
+        return None
+
+
+def refuse_callable(obj: Any, target: str, key: str) -> str | None:
+    """Why the spec at ``key`` naming ``obj`` (imported from ``target``) may not be called, or
+    ``None`` when it may: ``obj`` must be a class deriving from one of the bases allowed at
+    ``key`` (:data:`_SECTION_BASES`; nested specs: :data:`_NESTED_BASES`).
+
+    Example:
+        >>> refuse_callable(print, "builtins.print", "model")[:40]
+        "'builtins.print' is a builtin_function_o"
+        >>> import torch
+        >>> refuse_callable(torch.optim.SGD, "torch.optim.SGD", "optimizer") is None
+        True
+    """
+    names = _bases_for(key)
+    bases = tuple(b for b in (_resolve_base(n) for n in names) if b is not None)
+    if inspect.isclass(obj) and issubclass(obj, bases):
+        return None
+    what = "a class" if inspect.isclass(obj) else f"a {type(obj).__name__}, not a class"
+    allowed = names[0] if len(names) == 1 else "one of " + ", ".join(names)
+    return (
+        f"{target!r} is {what}; refusing to call it: a spec here must name a subclass of "
+        f"{allowed} (see docs/config.md, 'What a config may import and call')"
     )
 
 
@@ -414,16 +503,31 @@ def _check_kwargs(
     params, hints, var_kw = signature_info(fn, skip_params)
     for name, value in kwargs.items():
         full = f"{key}.{name}"
+        if is_class_spec(value):
+            _check_spec(value, full, errors)
+            continue
+        # Specs inside lists and mappings are built too (fit's _build_nested): check them all,
+        # also under a name only **kwargs takes.
+        _check_nested_specs(value, full, errors)
         if name not in params:
             if not var_kw:
                 errors.unknown(full, params, what)
             continue
-        if is_class_spec(value):
-            _check_spec(value, full, errors)
-            continue
         ann = hints.get(name, Any)
         if not _matches(value, ann):
             errors.wrong_type(full, _describe(ann), value)
+
+
+def _check_nested_specs(value: Any, key: str, errors: _Errors) -> None:
+    """Every class spec inside a list or mapping value (not the value itself)."""
+    if not isinstance(value, (Mapping, list)):
+        return
+    items = value.items() if isinstance(value, Mapping) else enumerate(value)
+    for k, v in items:
+        if is_class_spec(v):
+            _check_spec(v, f"{key}.{k}", errors)
+        else:
+            _check_nested_specs(v, f"{key}.{k}", errors)
 
 
 def signature_info(fn: Callable, skip_params: int = 0) -> tuple[list[str], dict[str, Any], bool]:

@@ -308,8 +308,17 @@ def train(
             f"(num_nodes={trainer.num_nodes} x devices={trainer.num_devices}), {shape}",
             flush=True,
         )
+    from lightning_pp.planner.recompute import RecomputeBudgetError
+
     t0 = time.perf_counter()
-    trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
+    try:
+        trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
+    except RecomputeBudgetError as err:
+        # The one setting checked only after launch (recompute='auto' measures the first
+        # batch). Every rank raises the same error together: rank 0 says it, once.
+        if trainer.is_global_zero:
+            fail("fit", f"{cfg.path}: 'strategy.activation_budget': {err}")
+        return 2
     if trainer.is_global_zero:
         print(f"[lightning-pp] fit finished in {time.perf_counter() - t0:.1f}s", flush=True)
     sample_cfg = cfg.sample

@@ -128,6 +128,14 @@ def report(cfg: RunConfig, command: str = "plan") -> int:
             f"no communication latency) ---",
             render_grid(plan.schedule),
         ]
+    section = cfg.get("strategy")
+    if isinstance(section, dict) and section.get("recompute") == "auto":
+        # The one rule plan cannot apply: the planner needs activations measured on a batch.
+        out.append(
+            f"note: recompute='auto' with activation_budget={section.get('activation_budget')} "
+            f"is checked only by fit, on the first batch (the planner measures each layer's "
+            f"activations there): this plan does not say the budget fits"
+        )
     out += [f"note: {note}" for note in checked.notes]
     out += ["", f"OK: {cfg.path} is valid (nothing was trained or allocated)."]
     print("\n".join(out))

@@ -91,6 +91,12 @@ def check_search_flags(args: argparse.Namespace) -> str | None:
     """The message for a search flag that cannot work, before anything is profiled, else
     ``None``. (``--top 0`` printed one row and ``--max-microbatches 0`` left no candidate,
     reported with an empty reason.)"""
+    if args.devices is not None and args.devices < 1:
+        # Checked before the config's world could stand in for it: 0 is not "unset".
+        return (
+            f"--devices {args.devices}: the search needs a world of at least 1 process; give "
+            f"--devices N with N >= 1 (or leave it out to search the config's world size)"
+        )
     if args.top < 1:
         return (
             f"--top {args.top}: the table of ranked shapes needs at least one row; give "
@@ -130,7 +136,7 @@ def run_search(cfg: RunConfig, args: argparse.Namespace, command: str = "plan") 
         checked = check_run(cfg, detect_launch_environment(), model="require", this_machine=False)
     except ConfigError as err:
         return fail(command, str(err))
-    world = args.devices or checked.world
+    world = args.devices if args.devices is not None else checked.world
     if world is None or world < 1:
         return fail(command, "--search needs the world size: give --devices N (N >= 1)")
     dp_now = checked.plan.dp if checked.plan is not None and checked.plan.dp else 1

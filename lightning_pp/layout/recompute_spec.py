@@ -144,8 +144,9 @@ def check_recompute(
     recompute: Any, activation_budget: Any, *, split: str | None = None
 ) -> tuple[Any, int | None]:
     """The recompute rules: a valid ``recompute`` (see :mod:`lightning_pp.runtime.recompute`), an
-    ``activation_budget`` exactly when ``recompute="auto"``, and no ``"auto"`` with ``split``
-    (the strategy's ``split=``, whose stages the planner cannot measure yet). Returns
+    ``activation_budget`` exactly when ``recompute="auto"``, and neither ``"auto"`` nor layer
+    indices with ``split`` (the strategy's ``split=``: the planner cannot measure its stages yet,
+    and a split stage has no per-layer forward to wrap). Returns
     ``(recompute in normal form, budget in bytes or None)``; errors name the key.
 
     >>> check_recompute("auto", "1MiB")
@@ -165,7 +166,16 @@ def check_recompute(
         )
     if spec == "auto" and split:
         raise ValueError(
-            "recompute='auto' is not supported with split= yet: use recompute='full' or a "
-            "list of layer indices"
+            "recompute='auto' is not supported with split= yet (the planner measures "
+            "PipelineLayers models only): use recompute='full' (every stage) or "
+            "'selective:<pattern>' (modules inside the blocks, e.g. 'selective:attn')"
+        )
+    if isinstance(spec, tuple) and split:
+        # A split= stage runs the user's step as one unit, so there is no per-layer forward to
+        # wrap: refused instead of silently recomputing nothing.
+        raise ValueError(
+            f"recompute={list(spec)} (layer indices) is not supported with split=: a split "
+            f"stage is recomputed whole; use recompute='full' or 'selective:<pattern>' "
+            f"(modules inside the blocks, e.g. 'selective:attn')"
         )
     return spec, budget

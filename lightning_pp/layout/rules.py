@@ -24,7 +24,7 @@ from __future__ import annotations
 import difflib
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..schedules import Schedule, build_schedule, check_positive, check_schedule_name, simulate
@@ -133,6 +133,89 @@ def check_settings(
         raise PreflightError(
             f"an explicit partition is a list of per-stage layer counts (integers), got "
             f"{list(partition)!r}",
+            key="partition",
+        )
+
+
+def split_cost_partition_message(
+    split: str, pp: int, vpp: int, num_blocks: int | None = None
+) -> str:
+    """Why ``partition="cost"`` cannot cut a ``split=`` model, and what to use instead (for
+    whichever check finds it first: it needs no model, the block count only sharpens the fix).
+
+    ``"cost"`` balances measured per-layer costs, which a model written for the pipeline gives
+    through ``PipelineMixin.pipeline_layer_costs()``; an unmodified model has no such hook and
+    the strategy does not measure its blocks, so the partition's own request (``layer_costs``)
+    would name an argument the user cannot pass.
+    """
+    k = pp * vpp
+    blocks = "the blocks'" if num_blocks is None else f"the {num_blocks} blocks'"
+    if num_blocks is not None and num_blocks >= k:
+        base, rem = divmod(num_blocks, k)
+        example = f"such as {[base + (1 if s >= k - rem else 0) for s in range(k)]}"
+    else:
+        example = "(one per stage)"
+    return (
+        f"partition='cost' with split={split!r}: the cost partition balances measured costs per "
+        f"layer (PipelineMixin.pipeline_layer_costs()), which an unmodified model split by "
+        f"name does not provide. Fix: partition='parameters' (balances {blocks} parameter "
+        f"counts over pp({pp}) * vpp({vpp}) = {k} stages), partition='uniform', or {k} explicit "
+        f"block counts {example}"
+    )
+
+
+def check_split_settings(
+    split: str | None,
+    split_placement: Any = None,
+    partition: str | Sequence[int] = "uniform",
+    pp: int | None = None,
+    vpp: int | None = None,
+) -> None:
+    """The ``split=`` settings that need no model: ``split_placement`` only with ``split``, a
+    ``{module name: "first" | "last"}`` mapping, and no ``partition="cost"`` (its per-layer
+    costs come from a ``PipelineLayers`` model's ``pipeline_layer_costs()``, which a split
+    model does not have). The model-dependent rules (the container, the names) are
+    :func:`lightning_pp.strategy.preflight.check_module`'s.
+
+    >>> try:
+    ...     check_split_settings(None, {"lm_head": "last"})
+    ... except PreflightError as e:
+    ...     e.key
+    'split_placement'
+    """
+    if split is None or split == "":
+        if split_placement:
+            raise PreflightError(
+                f"split_placement={split_placement!r} is only used with split= (it places "
+                f"modules beside the split blocks); set split to the dotted name of the "
+                f"ModuleList of blocks (e.g. split='model.transformer.h'), or remove "
+                f"split_placement",
+                key="split_placement",
+            )
+        return
+    if split_placement is not None:
+        if not isinstance(split_placement, Mapping):
+            raise PreflightError(
+                f"split_placement must map module names to 'first' or 'last' (e.g. "
+                f"{{'lm_head': 'last'}}), got {type(split_placement).__name__} "
+                f"{split_placement!r}",
+                key="split_placement",
+            )
+        bad = {k: v for k, v in split_placement.items() if v not in ("first", "last")}
+        if bad:
+            raise PreflightError(
+                f"split_placement values must be 'first' or 'last' (the stage the module runs "
+                f"on), got {bad!r}",
+                key="split_placement",
+            )
+    if partition == "cost":
+        raise PreflightError(
+            split_cost_partition_message(split, pp or 1, vpp or 1)
+            if pp is not None
+            else "partition='cost' needs per-layer costs from a PipelineLayers model "
+            "(pipeline_layer_costs()), which a split= model does not have; use "
+            "partition='uniform' (equal block counts), 'parameters' (balance parameter counts) "
+            "or a list of per-stage block counts",
             key="partition",
         )
 

@@ -67,6 +67,8 @@ __all__ = [
     "recompute_active",
     "select_positions",
     "select_targets",
+    "selective_matches",
+    "selective_units",
 ]
 
 
@@ -83,6 +85,16 @@ def _layers_of(chunk: nn.Module) -> list[tuple[str, int | None, nn.Module]]:
     return [("", None, chunk)]  # an opaque chunk: one unit
 
 
+def selective_units(chunk: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Where a ``Selective`` pattern's names start: each pipeline layer, or each module a
+    ``split=`` stage owns (its ``owned`` list: blocks and placed modules), so that
+    ``"selective:attn"`` means the same module on both paths."""
+    owned = getattr(chunk, "owned", None)
+    if getattr(chunk, "layers", None) is None and isinstance(owned, nn.ModuleList):
+        return [(f"owned.{k}", m) for k, m in enumerate(owned)]
+    return [(name, layer) for name, _, layer in _layers_of(chunk)]
+
+
 def select_targets(chunks: Sequence[nn.Module], spec: Any) -> Targets:
     """The modules of each chunk that ``spec`` selects (``"auto"`` must be resolved first)."""
     spec = parse_recompute(spec)
@@ -94,21 +106,32 @@ def select_targets(chunks: Sequence[nn.Module], spec: Any) -> Targets:
     out: Targets = []
     for chunk in chunks:
         picked: list[tuple[str, nn.Module]] = []
-        for name, index, layer in _layers_of(chunk):
-            if spec is None:
-                continue
-            if spec == "full" or (isinstance(spec, tuple) and index in spec):
-                picked.append((name, layer))
-            elif isinstance(spec, Selective):
-                taken: list[str] = []
-                for sub_name, sub in layer.named_modules():
-                    if not sub_name or any(sub_name.startswith(t + ".") for t in taken):
-                        continue
-                    if spec.matches(sub_name, sub):
-                        taken.append(sub_name)
-                        picked.append((f"{name}.{sub_name}" if name else sub_name, sub))
+        if isinstance(spec, Selective):
+            for name, unit in selective_units(chunk):
+                for sub_name, sub in selective_matches(unit, spec):
+                    picked.append((f"{name}.{sub_name}" if name else sub_name, sub))
+        elif spec is not None:
+            for name, index, layer in _layers_of(chunk):
+                if spec == "full" or (isinstance(spec, tuple) and index in spec):
+                    picked.append((name, layer))
         out.append(picked)
     return out
+
+
+def selective_matches(unit: nn.Module, spec: Selective) -> list[tuple[str, nn.Module]]:
+    """The modules inside ``unit`` (a pipeline layer) that ``spec`` selects, named relative to
+    it; a module inside one already selected is skipped (one checkpoint frame covers it). The
+    pre-flight (:mod:`lightning_pp.strategy.preflight`) asks the same question of the whole
+    model before launch."""
+    taken: list[str] = []
+    picked: list[tuple[str, nn.Module]] = []
+    for sub_name, sub in unit.named_modules():
+        if not sub_name or any(sub_name.startswith(t + ".") for t in taken):
+            continue
+        if spec.matches(sub_name, sub):
+            taken.append(sub_name)
+            picked.append((sub_name, sub))
+    return picked
 
 
 def layer_names(chunk: nn.Module) -> list[tuple[str, int | None]]:

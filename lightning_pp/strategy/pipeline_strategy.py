@@ -44,6 +44,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from .. import _lightning_compat as compat
+from ..autosplit.split import SplitError
 from ..checkpoint.sharded import (
     load_pipeline_checkpoint,
     module_optimizer_state,
@@ -54,15 +55,17 @@ from ..layout.partition import PipelineChunk
 from ..layout.placement import LayerPlacement
 from ..layout.plan import PipelinePlan
 from ..layout.rank_layout import RankLayout
-from ..layout.recompute_spec import RecomputeSpec, check_recompute
-from ..layout.rules import check_settings, default_schedule
+from ..layout.recompute_spec import RecomputeSpec, Selective, check_recompute
+from ..layout.rules import PreflightError, check_settings, check_split_settings, default_schedule
 from ..layout.topology import PipelineTopology, ProcessGroups, build_process_groups
 from ..runtime.errors import DEFAULT_WATCHDOG_TIMEOUT, PipelineAborted, report_failure
 from ..runtime.grad_sync import DeferredGradSync, TiedParameterSync
+from ..runtime.recompute import select_targets, selective_units
 from . import eval_step
 from .engine_build import LossScale, build_engine, build_grad_sync, log_start, module_io
 from .model_summary import restore_summaries, use_stage_summaries
 from .precision import GlobalNormClipping, with_global_norm_clipping
+from .preflight import check_module, check_recompute_targets, meta_view
 from .process_group import ProcessGroupStrategy, StartMethod
 from .split_build import SplitPipeline
 from .stage_build import LayerBuild
@@ -175,6 +178,7 @@ class PipelineStrategy(ProcessGroupStrategy):
         self.recompute, self.activation_budget = check_recompute(
             recompute, activation_budget, split=split
         )
+        check_split_settings(split, split_placement, partition, pp=pp, vpp=vpp)
         #: the ``split=`` path (an unmodified model cut between its blocks), else ``None``
         self.split_pipeline = SplitPipeline(split, split_placement) if split else None
         #: builds and stages this rank's layers: ``split=``'s, or the module's PipelineLayers
@@ -296,6 +300,31 @@ class PipelineStrategy(ProcessGroupStrategy):
         )
 
     @override
+    def before_launch(self, trainer: Any) -> None:
+        """The pre-flight's module rules (:func:`~lightning_pp.strategy.preflight.check_module`:
+        the layer or block count against ``pp * vpp`` and ``partition``, the ``split=``
+        container and placement, the recompute targets), in the launching process before any
+        rank starts, on a meta build of the module (its ``configure_model`` run on the meta
+        device, then the module restored as it was). A module that cannot be built there is
+        left to the ranks, which apply the same rules when they build it."""
+        module = getattr(trainer, "lightning_module", None)
+        if module is None or self.plan is None:
+            return
+        try:
+            with meta_view(module) as view:
+                check_module(
+                    view,
+                    self.plan,
+                    split=self.split_pipeline.split if self.split_pipeline else None,
+                    split_placement=self.split_pipeline.placement if self.split_pipeline else None,
+                    recompute=None if self.recompute == "auto" else self.recompute,
+                )
+        except (PreflightError, SplitError):
+            raise
+        except Exception:  # not buildable on meta here: the ranks check it as they build
+            return
+
+    @override
     def setup_environment(self) -> None:
         super().setup_environment()  # the default process group
         topo = PipelineTopology.from_world(self.world_size, self.global_rank, self.pp)
@@ -325,6 +354,7 @@ class PipelineStrategy(ProcessGroupStrategy):
         self.tied_sync = self.stage_build.tied_sync(layout)
         self.tied_sync.broadcast_weights()  # the copies start from the owner's values
         self._setup_training(trainer)
+        self._check_recompute_targets()
         self.grad_sync = build_grad_sync(self.chunks, layout, self.bucket_cap_mb)
         if self.split_pipeline is not None:
             io = self.split_pipeline.engine_kwargs(self.loss_scale, device)
@@ -356,6 +386,26 @@ class PipelineStrategy(ProcessGroupStrategy):
         self._eval = eval_step.ForwardOnly(self.engine, layout, module, self, device)
         if self.is_global_zero:
             log_start(self.plan, self.engine, self.grad_sync, self.bucket_cap_mb)
+
+    def _check_recompute_targets(self) -> None:
+        """``recompute`` selects something in the model (the pre-flight's rule,
+        :func:`~lightning_pp.strategy.preflight.check_recompute_targets`): layer indices from
+        the plan's layer count; a pattern by this rank's matches summed over the world (every
+        rank reaches setup; a rank may hold none of the matched modules), so every rank raises
+        alike instead of training with nothing recomputed."""
+        spec = self.recompute
+        assert self.plan is not None and self.plan.layer_ranges is not None
+        num_layers = self.plan.layer_ranges[-1].stop
+        if isinstance(spec, tuple):
+            check_recompute_targets(spec, num_layers, [])
+        elif isinstance(spec, Selective):
+            local = sum(len(t) for t in select_targets(self.chunks, spec))
+            count = torch.tensor([local], dtype=torch.int64, device=self.root_device)
+            if torch.distributed.is_initialized() and self.world_size > 1:
+                torch.distributed.all_reduce(count)
+            if int(count.item()) == 0:
+                units = [u for chunk in self.chunks for u in selective_units(chunk)]
+                check_recompute_targets(spec, num_layers, units)
 
     def _setup_training(self, trainer: pl.Trainer) -> None:
         """Lightning's optimizer and precision setup, in Lightning's order; when fitting, the

@@ -158,10 +158,17 @@ class ProcessGroupStrategy(ParallelStrategy):
         if self._start_method == "popen":
             # The launcher itself starts nothing when torchrun/SLURM created the processes.
             self._launcher = compat.subprocess_script_launcher(
-                self.cluster_environment, self.num_processes, self.num_nodes
+                self.cluster_environment, self.num_processes, self.num_nodes, self.before_launch
             )
         elif not self.cluster_environment.creates_processes_externally:
-            self._launcher = compat.multiprocessing_launcher(self, self._start_method)
+            self._launcher = compat.multiprocessing_launcher(
+                self, self._start_method, self.before_launch
+            )
+
+    def before_launch(self, trainer: Any) -> None:
+        """Checks that need the Trainer and the module but no process group, run by the
+        launcher before it starts any process (so a mistake is raised once, in the launching
+        process). Subclasses add theirs; nothing here."""
 
     @override
     def setup_environment(self) -> None:

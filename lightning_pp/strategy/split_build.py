@@ -60,12 +60,14 @@ from ..autosplit.materialize import (
 )
 from ..autosplit.split import SplitError, SplitLayout, StagedModel
 from ..layout.rank_layout import RankLayout
+from ..layout.rules import split_cost_partition_message
 from ..runtime.grad_sync import TiedGroup, TiedParameterSync
 from ..runtime.microbatch import batch_size_of, batch_size_or_none
 from . import eval_step
 from .engine_build import LossScale
 from .model import PipelineLayers, PipelineMixin
 from .module_rules import check_no_scaler
+from .preflight import split_layout
 
 __all__ = ["SplitPipeline"]
 
@@ -189,33 +191,6 @@ def split_mixin_message(split: str, module: Any) -> str | None:
     )
 
 
-def split_cost_partition_message(
-    split: str, pp: int, vpp: int, num_blocks: int | None = None
-) -> str:
-    """Why ``partition="cost"`` cannot cut a ``split=`` model, and what to use instead (for
-    whichever check finds it first: it needs no model, the block count only sharpens the fix).
-
-    ``"cost"`` balances measured per-layer costs, which a model written for the pipeline gives
-    through ``PipelineMixin.pipeline_layer_costs()``; an unmodified model has no such hook and
-    the strategy does not measure its blocks, so the partition's own request (``layer_costs``)
-    would name an argument the user cannot pass.
-    """
-    k = pp * vpp
-    blocks = "the blocks'" if num_blocks is None else f"the {num_blocks} blocks'"
-    if num_blocks is not None and num_blocks >= k:
-        base, rem = divmod(num_blocks, k)
-        example = f"such as {[base + (1 if s >= k - rem else 0) for s in range(k)]}"
-    else:
-        example = "(one per stage)"
-    return (
-        f"partition='cost' with split={split!r}: the cost partition balances measured costs per "
-        f"layer (PipelineMixin.pipeline_layer_costs()), which an unmodified model split by "
-        f"name does not provide. Fix: partition='parameters' (balances {blocks} parameter "
-        f"counts over pp({pp}) * vpp({vpp}) = {k} stages), partition='uniform', or {k} explicit "
-        f"block counts {example}"
-    )
-
-
 class SplitPipeline:
     """The ``split=`` path of :class:`~lightning_pp.strategy.PipelineStrategy` (see the module
     docstring). ``split``: dotted name, relative to the LightningModule, of the ModuleList of
@@ -234,30 +209,29 @@ class SplitPipeline:
 
     # ------------------------------------------------------------------ building
     def _layout(self, layout: RankLayout, module: Any, twin: nn.Module) -> SplitLayout:
-        """Cut the blocks as the strategy's plan says (``partition``, ``pp * vpp``)."""
+        """Cut the blocks as the strategy's plan says (``partition``, ``pp * vpp``), by the
+        pre-flight's rules (:func:`~lightning_pp.strategy.preflight.split_layout`, which
+        ``lightning-pp plan``/``fit`` ran on the meta build already)."""
         mixin = split_mixin_message(self.split, module)
         if mixin is not None:
             raise SplitError(mixin)
-        try:
-            blocks = twin.get_submodule(self.split)
-        except AttributeError as e:
-            raise SplitError(
-                f"split={self.split!r}: {type(module).__name__} has no such "
-                f"module (the name is relative to the LightningModule, e.g. "
-                f"'model.transformer.h')"
-            ) from e
-        if not isinstance(blocks, (nn.ModuleList, nn.Sequential)):
-            SplitLayout.discover(twin, self.split, 1)  # raises the error naming the type
-        params = [sum(p.numel() for p in b.parameters()) for b in blocks]
         plan = layout.need_plan()
-        if plan.partition == "cost":
+        if plan.partition == "cost":  # refused with the settings already; a plan built by hand
+            try:
+                num_blocks: int | None = len(twin.get_submodule(self.split))  # type: ignore[arg-type]
+            except (AttributeError, TypeError):
+                num_blocks = None
             raise SplitError(
-                split_cost_partition_message(self.split, plan.pp, plan.vpp, len(blocks))
+                split_cost_partition_message(self.split, plan.pp, plan.vpp, num_blocks)
             )
-        plan = layout.with_layers(len(blocks), layer_params=params)
-        return SplitLayout.discover(
-            twin, self.split, plan.num_stages, placement=self.placement, ranges=plan.layer_ranges
+        split_layout_, plan = split_layout(
+            twin, self.split, self.placement, plan, type(module).__name__
         )
+        blocks = [twin.get_submodule(b) for b in split_layout_.blocks]
+        params = [sum(p.numel() for p in b.parameters()) for b in blocks]
+        layout.with_layers(len(blocks), layer_params=params)
+        assert layout.plan is not None and layout.plan.layer_ranges == plan.layer_ranges
+        return split_layout_
 
     def _stages(self, layout: RankLayout) -> list[int]:
         return list(layout.need_plan().schedule.stages_of(layout.need_topology().pp_rank))
