@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
@@ -59,6 +60,7 @@ __all__ = [
     "BUBBLE_EXPECTED_KEY",
     "BUBBLE_KEY",
     "BUBBLE_STEPS_KEY",
+    "LossHistory",
     "RunSummary",
     "WindowBubble",
     "format_summary",
@@ -109,6 +111,75 @@ class WindowBubble:
             for r, v in getattr(other, name).items():
                 mine[r] = mine.get(r, 0.0) + v
         self.pipelines = other.pipelines
+
+
+class LossHistory:
+    """The train loss of every step for the loss curve, in bounded memory: plain floats, at most
+    ``max_points`` of them however long the run.
+
+    A step's loss arrives as a tensor (the logged metric). Keeping that tensor (as the summary
+    once did, one per step on global rank 0) grew the process by a tensor per step for the whole
+    run, on CUDA a device allocation each. Here at most ``flush_every`` of them wait, to be read
+    in one transfer (no device sync per step), and become floats. When ``max_points`` is
+    exceeded every other point is dropped and only every ``stride``-th later step is kept, so
+    the points stay evenly spread over the whole run; the latest step is always kept.
+
+    Example:
+        >>> h = LossHistory(max_points=4, flush_every=2)
+        >>> for step in range(1, 11):
+        ...     h.add(step, float(step))
+        >>> h.points()
+        [(1, 1.0), (5, 5.0), (9, 9.0), (10, 10.0)]
+    """
+
+    def __init__(self, max_points: int = 4096, flush_every: int = 64) -> None:
+        if max_points < 2 or flush_every < 1:
+            raise ValueError(
+                f"LossHistory needs max_points >= 2 and flush_every >= 1, got {max_points} "
+                f"and {flush_every}"
+            )
+        self.max_points = max_points
+        self.flush_every = flush_every
+        self.stride = 1
+        self._points: list[tuple[int, float]] = []
+        self._pending: list[tuple[int, Any]] = []
+        self._seen = 0
+        self._last: tuple[int, float] | None = None
+
+    def __len__(self) -> int:
+        return len(self._points) + len(self._pending)
+
+    def add(self, step: int, value: Any) -> None:
+        """Record ``value`` (a scalar tensor or a number) for ``step``."""
+        if isinstance(value, torch.Tensor) and value.requires_grad:
+            value = value.detach()
+        self._pending.append((step, value))
+        if len(self._pending) >= self.flush_every:
+            self._flush()
+
+    def points(self) -> list[tuple[int, float]]:
+        """``(step, loss)`` in step order: the kept points and the latest step."""
+        self._flush()
+        last = self._last
+        return self._points + ([last] if last is not None and self._points[-1] != last else [])
+
+    def _flush(self) -> None:
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        tensors = [v for _, v in pending if isinstance(v, torch.Tensor)]
+        read = iter(
+            torch.stack([t.float().reshape(()) for t in tensors]).tolist() if tensors else []
+        )
+        for step, v in pending:
+            value = next(read) if isinstance(v, torch.Tensor) else float(v)
+            self._last = (step, value)
+            if self._seen % self.stride == 0:
+                self._points.append(self._last)
+            self._seen += 1
+            if len(self._points) > self.max_points:
+                self._points = self._points[::2]
+                self.stride *= 2
 
 
 def _stats_add(out: WindowBubble, stats: BubbleStats, ranks: list[int]) -> None:
@@ -242,7 +313,7 @@ class RunSummary(PipelineCallback):
         self._window: deque[tuple[int, StepRecord]] = deque(maxlen=self.max_window)
         self._total = WindowBubble()
         self._last_window: WindowBubble | None = None
-        self._losses: list[tuple[int, Any]] = []
+        self._losses = LossHistory()
         self._val: list[tuple[int, float]] = []
         self._t_fit = 0.0
         self._t_train = 0.0  # seconds spent in training batches (validation excluded)
@@ -296,7 +367,7 @@ class RunSummary(PipelineCallback):
         step = trainer.global_step
         loss = trainer.callback_metrics.get(self.loss_name)
         if loss is not None and trainer.is_global_zero:
-            self._losses.append((step, loss.detach() if hasattr(loss, "detach") else loss))
+            self._losses.add(step, loss)
         self._keep(trainer)
         if not self._due(trainer):
             return
@@ -387,7 +458,7 @@ class RunSummary(PipelineCallback):
 
     def _build(self, trainer: pl.Trainer) -> dict[str, Any]:
         schedule = self._schedule
-        losses = [(s, float(v)) for s, v in self._losses]
+        losses = self._losses.points()
         steps = self._train_steps
         wall = time.perf_counter() - self._t_fit if self._t_fit else 0.0
         out: dict[str, Any] = {

@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from .p2p import P2PCommunicator
     from .recompute import Targets
 
-__all__ = ["ChunkPlace", "StepEngine", "Stash", "StepRun", "place_chunks"]
+__all__ = ["ChunkPlace", "StepEngine", "Stash", "StepReceives", "StepRun", "place_chunks"]
 
 
 class StepEngine(Protocol):
@@ -294,6 +294,51 @@ def _storages(batch: Any) -> set[int]:
     return set()
 
 
+class StepReceives:
+    """What one step's actions receive, for its
+    :class:`~lightning_pp.runtime.receive_window.ReceiveWindow` (the window calls it with
+    ``(index, ahead)``). It holds only what the answer reads: the rank's actions, the chunk
+    places, the step's stash and the rank; not the :class:`StepRun`, so the run and its window
+    form no reference cycle."""
+
+    __slots__ = ("actions", "places", "rank", "stash")
+
+    def __init__(
+        self, actions: Sequence[Action], places: Sequence[ChunkPlace], stash: Stash, rank: int
+    ) -> None:
+        self.actions = actions
+        self.places = places
+        self.stash = stash
+        self.rank = rank
+
+    def __call__(self, index: int, ahead: bool) -> list[RecvRequest] | None:
+        return self.needs(self.actions[index], ahead=ahead)
+
+    def needs(self, action: Action, *, ahead: bool = False) -> list[RecvRequest] | None:
+        """The receives ``action`` needs. ``ahead``: it is a LATER action than the next one;
+        ``None`` then means they cannot be stated yet (a backward whose forward has not run)."""
+        place = self.places[action.chunk]
+        if action.op is Op.F:
+            if place.first:
+                return []
+            return [RecvRequest(ACT, place.prev_rank, place.stage, action.mb, chunk=action.chunk)]
+        if place.last or action.op is Op.W:  # W communicates nothing
+            return []
+        if ahead:
+            # Not necessarily the stash head: backwards before this one pop older entries
+            # first (FIFO is checked when this backward runs).
+            entry = self.stash.find(action.chunk, action.mb)
+            if entry is None:
+                return None
+        else:
+            entry = self.stash.check_fifo(action, self.rank)
+        if not entry.out_specs:  # no floating outputs: no gradient travels
+            return []
+        # the stage names the RECEIVING stage (this one), as the sender's Message does
+        specs = entry.out_specs
+        return [RecvRequest(GRAD, place.next_rank, place.stage, action.mb, specs, action.chunk)]
+
+
 class StepRun:
     """One ``train_step``/``eval_step`` of one rank (see the module docstring for the loop).
 
@@ -343,8 +388,16 @@ class StepRun:
         self.sends = SendQueue()
         # NCCL: post in the schedule's global message order (one stream per rank; see p2p_order)
         order = message_order(schedule)[engine.pp_rank] if engine.comm.ordered_posting else None
+        # The window asks what each action receives through a StepReceives, never through a
+        # bound method of this run: a window holding ``self._needs_at`` made run -> window ->
+        # method -> run a reference cycle, so each step's run (its microbatches, the last
+        # receive buffers, the sends, the record) outlived the step until the cyclic garbage
+        # collector ran; the ones promoted to its oldest generation waited for a full
+        # collection, which a Trainer's hundreds of thousands of live objects make rare
+        # (issue 35: resident memory crept up step after step). Refcounting frees it now.
+        self.receives = StepReceives(self.actions, self.places, self.stash, engine.rank)
         self.window = engine.comm.receive_window(
-            len(self.actions), engine.recv_lookahead, self._needs_at, order
+            len(self.actions), engine.recv_lookahead, self.receives, order
         )
         # The action index of each chunk's last backward (B, or W of a split one): its weight
         # gradients are complete there, not at its last I.
@@ -355,32 +408,9 @@ class StepRun:
         )
 
     # -- receives ------------------------------------------------------------------------------
-    def _needs_at(self, index: int, ahead: bool) -> list[RecvRequest] | None:
-        return self.needs(self.actions[index], ahead=ahead)
-
     def needs(self, action: Action, *, ahead: bool = False) -> list[RecvRequest] | None:
-        """The receives ``action`` needs. ``ahead``: it is a LATER action than the next one;
-        ``None`` then means they cannot be stated yet (a backward whose forward has not run)."""
-        place = self.places[action.chunk]
-        if action.op is Op.F:
-            if place.first:
-                return []
-            return [RecvRequest(ACT, place.prev_rank, place.stage, action.mb, chunk=action.chunk)]
-        if place.last or action.op is Op.W:  # W communicates nothing
-            return []
-        if ahead:
-            # Not necessarily the stash head: backwards before this one pop older entries
-            # first (FIFO is checked when this backward runs).
-            entry = self.stash.find(action.chunk, action.mb)
-            if entry is None:
-                return None
-        else:
-            entry = self.stash.check_fifo(action, self.engine.rank)
-        if not entry.out_specs:  # no floating outputs: no gradient travels
-            return []
-        # the stage names the RECEIVING stage (this one), as the sender's Message does
-        specs = entry.out_specs
-        return [RecvRequest(GRAD, place.next_rank, place.stage, action.mb, specs, action.chunk)]
+        """The receives ``action`` needs (:meth:`StepReceives.needs`)."""
+        return self.receives.needs(action, ahead=ahead)
 
     # -- compute -------------------------------------------------------------------------------
     def execute(self, action: Action, received: Sequence[PendingRecv]) -> list[Message]:

@@ -109,6 +109,8 @@ class DeferredGradSync:
         self.chunk_buckets: list[list[list[nn.Parameter]]] = [_buckets(ps, cap) for ps in owned]
         self._pending: list[tuple[Any, Tensor, list[nn.Parameter]]] = []
         self._launched: set[int] = set()
+        #: the launches of the latest step that reduced (of the one in progress, once it
+        #: launched): one event per bucket.
         self.events: list[LaunchEvent] = []
 
     @property
@@ -119,6 +121,10 @@ class DeferredGradSync:
         """Engine hook: chunk ``chunk`` has run its last backward of the step."""
         if not self.enabled or self.dp_size == 1 or chunk in self._launched:
             return
+        if not self._launched:
+            # A new step's first launch: the events start over. Kept for the whole run they
+            # grew by one per bucket per step, forever (issue 35: memory that never levels).
+            self.events.clear()
         self._launched.add(chunk)
         for b, bucket in enumerate(self.chunk_buckets[chunk]):
             flat = torch.cat(
