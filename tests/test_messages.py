@@ -169,6 +169,33 @@ def test_top_and_max_microbatches_below_one_are_refused(capsys):
     assert "world size" not in err  # another world would not help
 
 
+def test_search_numbers_out_of_range_are_refused_before_profiling(capsys):
+    # --bandwidth 0 ended in a ZeroDivisionError traceback; --verify -1 ran nothing, exit 0
+    for flag, value, bound in [
+        ("--bandwidth", "0", "> 0"),
+        ("--latency", "-1e-5", ">= 0"),
+        ("--repeats", "0", ">= 1"),
+        ("--verify", "-1", ">= 0"),
+        ("--verify-steps", "0", ">= 1"),
+        ("--verify-timeout", "0", "> 0"),
+    ]:
+        code, err = _plan(capsys, flag, value)
+        assert code == 2 and f"{flag} {float(value):g}: must be {bound}" in err, (flag, err)
+        assert "Traceback" not in err
+
+
+def test_search_options_without_search_are_refused(capsys):
+    from lightning_pp.commands.cli import main
+
+    # `plan CONFIG --devices 4` checked the config's own world and exited 0
+    assert main(["plan", DEMO, "--devices", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "--devices is an option of the shape search" in err and "add --search" in err
+    assert main(["plan", DEMO, "--top", "3", "--verify", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "--top, --verify are options of the shape search" in err
+
+
 def test_an_empty_search_space_says_so():
     cost = LayerCost(
         t_f=1e-3,

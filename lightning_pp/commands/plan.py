@@ -74,8 +74,18 @@ def run(args: argparse.Namespace) -> int:
         return fail(command, str(err))
     if getattr(args, "search", False):
         return run_search(cfg, args, command)
-    if getattr(args, "verify", 0) or getattr(args, "calibrate", False):
-        return fail(command, "--verify and --calibrate check a search: add --search")
+    given = [
+        flag
+        for flag, dest, default in getattr(args, "_search_only", ())
+        if getattr(args, dest) != default
+    ]
+    if given:
+        return fail(
+            command,
+            f"{', '.join(given)} {'is an option' if len(given) == 1 else 'are options'} of the "
+            f"shape search, unused without it: add --search (plan without it checks the "
+            f"config's own shape; its world size comes from the config's trainer)",
+        )
     return report(cfg, command=command)
 
 

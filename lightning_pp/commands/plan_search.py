@@ -17,6 +17,7 @@ import argparse
 import os
 import sys
 import time
+from typing import Any
 
 from lightning_pp.commands._common import check_run, fail
 from lightning_pp.commands.config import ConfigError, RunConfig
@@ -29,37 +30,42 @@ def add_search_options(p: argparse.ArgumentParser) -> None:
     """The ``--search`` options of ``lightning-pp plan``."""
     g = p.add_argument_group("search (--search)")
     g.add_argument("--search", action="store_true", help="profile, search shapes, recommend one")
-    g.add_argument("--devices", type=int, default=None, help="world size to plan for")
-    g.add_argument("--profile", default=None, metavar="FILE.json", help="use this profile")
-    g.add_argument("--save-profile", default=None, metavar="FILE.json", help="save the profile")
-    g.add_argument("--cache-dir", default=None, help="profile cache (~/.cache/lightning_pp)")
-    g.add_argument("--top", type=int, default=10, help="rows of the table (default 10)")
-    g.add_argument("--memory-per-device", default=None, help="e.g. 8GiB: drop what exceeds it")
-    g.add_argument("--write", default=None, metavar="FILE.yaml", help="write the chosen config")
-    g.add_argument("--optimizer", default="adam", help="optimizer-state model: adam|sgd|...")
-    g.add_argument("--repeats", type=int, default=3, help="timed runs per layer (fastest kept)")
-    g.add_argument("--max-microbatches", type=int, default=64, help="largest m tried")
-    g.add_argument("--latency", type=float, default=None, help="P2P latency, seconds")
-    g.add_argument("--bandwidth", type=float, default=None, help="P2P bandwidth, bytes/s")
-    g.add_argument("--overhead", type=float, default=None, help="engine cost per action, s")
-    g.add_argument(
+    added: list[argparse.Action] = []
+
+    def opt(*names: str, **kw: Any) -> None:
+        added.append(g.add_argument(*names, **kw))
+
+    opt("--devices", type=int, default=None, help="world size to plan for")
+    opt("--profile", default=None, metavar="FILE.json", help="use this profile")
+    opt("--save-profile", default=None, metavar="FILE.json", help="save the profile")
+    opt("--cache-dir", default=None, help="profile cache (~/.cache/lightning_pp)")
+    opt("--top", type=int, default=10, help="rows of the table (default 10)")
+    opt("--memory-per-device", default=None, help="e.g. 8GiB: drop what exceeds it")
+    opt("--write", default=None, metavar="FILE.yaml", help="write the chosen config")
+    opt("--optimizer", default="adam", help="optimizer-state model: adam|sgd|...")
+    opt("--repeats", type=int, default=3, help="timed runs per layer (fastest kept)")
+    opt("--max-microbatches", type=int, default=64, help="largest m tried")
+    opt("--latency", type=float, default=None, help="P2P latency, seconds")
+    opt("--bandwidth", type=float, default=None, help="P2P bandwidth, bytes/s")
+    opt("--overhead", type=float, default=None, help="engine cost per action, s")
+    opt(
         "--cores",
         type=int,
         default=None,
         help="CPU cores the processes share (default: this machine's, for a CPU profile; 0: "
         "do not model oversubscription)",
     )
-    g.add_argument(
+    opt(
         "--calibrate",
         action="store_true",
         help="run the config's shape first; fit the per-action overhead and hop latency",
     )
-    g.add_argument(
-        "--verify", type=int, default=0, metavar="K", help="run the top K and the config's shape"
-    )
-    g.add_argument("--verify-steps", type=int, default=3, help="timed steps per run (3)")
-    g.add_argument("--verify-warmup", type=int, default=2, help="warm-up steps per run (2)")
-    g.add_argument("--verify-timeout", type=float, default=300.0, help="seconds per run (300)")
+    opt("--verify", type=int, default=0, metavar="K", help="run the top K and the config's shape")
+    opt("--verify-steps", type=int, default=3, help="timed steps per run (3)")
+    opt("--verify-warmup", type=int, default=2, help="warm-up steps per run (2)")
+    opt("--verify-timeout", type=float, default=300.0, help="seconds per run (300)")
+    # Kept so that plan without --search can refuse them: they would be silently unused.
+    p.set_defaults(_search_only=tuple((a.option_strings[0], a.dest, a.default) for a in added))
 
 
 def _divisors(n: int) -> list[int]:
@@ -97,6 +103,22 @@ def check_search_flags(args: argparse.Namespace) -> str | None:
             f"--devices {args.devices}: the search needs a world of at least 1 process; give "
             f"--devices N with N >= 1 (or leave it out to search the config's world size)"
         )
+    numbers = [
+        ("--bandwidth", args.bandwidth, 0.0, False, "bytes/s, e.g. 1e10"),
+        ("--latency", args.latency, 0.0, True, "seconds, e.g. 2e-5"),
+        ("--overhead", args.overhead, 0.0, True, "seconds per action, e.g. 5e-5"),
+        ("--repeats", args.repeats, 1, True, "timed runs per layer"),
+        ("--cores", args.cores, 0, True, "0 turns the oversubscription model off"),
+        ("--verify", args.verify, 0, True, "0 runs nothing"),
+        ("--verify-steps", args.verify_steps, 1, True, "timed steps per run"),
+        ("--verify-warmup", args.verify_warmup, 0, True, "warm-up steps per run"),
+        ("--verify-timeout", args.verify_timeout, 0.0, False, "seconds per run"),
+    ]
+    for flag, value, low, inclusive, what in numbers:
+        if value is not None and (value < low if inclusive else value <= low):
+            bound = f">= {low:g}" if inclusive else f"> {low:g}"
+            # --bandwidth 0 ended in a ZeroDivisionError traceback inside the cost model
+            return f"{flag} {value:g}: must be {bound} ({what})"
     if args.top < 1:
         return (
             f"--top {args.top}: the table of ranked shapes needs at least one row; give "
