@@ -242,8 +242,9 @@ def _assert_sigterm_saved(out: str, tmp: Path, who: str = "") -> Path:
     return ckpt
 
 
-def test_sigterm_saves_a_checkpoint_and_exits_non_zero(job):
-    cmd = [sys.executable, str(SCRIPTS / "fault_job.py"), "3", "60", "sigterm"]
+def _sigterm_job(job: Job, *options: str) -> str:
+    """Run ``fault_job.py``'s SIGTERM case on 3 ranks; its output, once it exited 143."""
+    cmd = [sys.executable, str(SCRIPTS / "fault_job.py"), "3", "60", "sigterm", *options]
     proc = job.start(cmd, _env(job.tmp))
     try:
         proc.wait(timeout=START_TIMEOUT)
@@ -251,6 +252,11 @@ def test_sigterm_saves_a_checkpoint_and_exits_non_zero(job):
         pytest.fail(f"the job did not stop after SIGTERM:\n{job.output()[-6000:]}")
     out = job.output()
     assert proc.returncode == 143, (proc.returncode, out[-6000:])
+    return out
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_non_zero(job):
+    out = _sigterm_job(job)
     # rank 0 forwards the signal to the ranks it launched, as Lightning's launcher does
     _assert_sigterm_saved(out, job.tmp, "all 3 ranks")
     assert "requeue" not in out  # not a SLURM job
@@ -258,14 +264,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_non_zero(job):
 
 def test_sigterm_to_one_rank_names_that_rank(job):
     # a scheduler that signals rank 2 only: the line names rank 2, not the rank that prints it
-    cmd = [sys.executable, str(SCRIPTS / "fault_job.py"), "3", "60", "sigterm", "sigterm_rank=2"]
-    proc = job.start(cmd, _env(job.tmp))
-    try:
-        proc.wait(timeout=START_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"the job did not stop after SIGTERM:\n{job.output()[-6000:]}")
-    out = job.output()
-    assert proc.returncode == 143, (proc.returncode, out[-6000:])
+    out = _sigterm_job(job, "sigterm_rank=2")
     _assert_sigterm_saved(out, job.tmp, "[lightning-pp] rank 2")
     assert "rank 0 received" not in out and "all 3 ranks" not in out, out[-6000:]
 
