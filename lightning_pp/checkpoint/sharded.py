@@ -785,8 +785,13 @@ def save_pipeline_checkpoint(
     module's class is recorded so ``lightning-pp consolidate --lightning`` can rebuild the
     unpipelined module.
     """
+    from .hf_export import hf_config_of  # here: hf_export reads checkpoints through this module
+
     cls = type(module)
     checkpoint["lightning_pp"] = {"module_class": f"{cls.__module__}:{cls.__qualname__}"}
+    hf = hf_config_of(module)
+    if hf is not None:  # what ``consolidate --hf`` needs to write a save_pretrained directory
+        checkpoint["lightning_pp"]["hf"] = hf
     return save_sharded_checkpoint(
         checkpoint,
         path,

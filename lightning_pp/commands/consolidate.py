@@ -13,6 +13,10 @@ Example::
     #   hf_model.load_state_dict(torch.load("hf.pt")); hf_model.save_pretrained("out/")
     lightning-pp consolidate ckpts/step=500.ckpt hf.pt --submodule model
 
+    # the same model as a Hugging Face directory (safetensors + config.json):
+    #   AutoModelForCausalLM.from_pretrained("hf-out/")
+    lightning-pp consolidate ckpts/step=500.ckpt --hf hf-out/
+
     # full Lightning checkpoint (weights, optimizer, schedulers, loops) for a plain Trainer:
     #   trainer.fit(GPT(...), ckpt_path="gpt-full.ckpt")
     lightning-pp consolidate ckpts/step=500.ckpt gpt-full.ckpt --lightning
@@ -38,7 +42,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         ),
     )
     p.add_argument("checkpoint", help="checkpoint directory written by PipelineStrategy")
-    p.add_argument("output", help="file to write")
+    p.add_argument("output", nargs="?", default=None, help="file to write (optional with --hf)")
+    p.add_argument(
+        "--hf",
+        default=None,
+        metavar="DIR",
+        help="write the Hugging Face model of a PipelineStrategy(split=...) run to DIR with its "
+        "save_pretrained (safetensors, config.json, generation_config.json): "
+        "AutoModelForCausalLM.from_pretrained(DIR) loads it; --submodule picks the model when "
+        "the module holds several",
+    )
     p.add_argument(
         "--lightning",
         action="store_true",
@@ -80,11 +93,32 @@ def build_module(checkpoint_dir: str, class_path: str | None = None, trust: bool
     return module_from_checkpoint(checkpoint_dir, class_path, weights_only=not trust)
 
 
+def _export_hf(checkpoint: str, out: str, submodule: str | None, index: dict) -> None:
+    from lightning_pp.checkpoint.hf_export import export_hf, hf_record_of
+
+    name, record = hf_record_of(checkpoint, submodule)
+    export_hf(checkpoint, out, name)
+    lay = index["layout"]
+    print(
+        f"wrote {out}: {record['class']} ({name!r} of the LightningModule) from a pp={lay['pp']} "
+        f"vpp={lay['vpp']} dp={lay['dp']} checkpoint; load it with "
+        f"AutoModelForCausalLM.from_pretrained({out!r})"
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     from lightning_pp.checkpoint.sharded import CheckpointError, consolidate_checkpoint, read_index
 
+    if args.output is None and args.hf is None:
+        return _fail("give an output file, --hf DIR, or both")
+    if args.hf is not None and args.lightning:
+        return _fail("--hf writes a Hugging Face directory; it cannot go with --lightning")
     try:
         index = read_index(args.checkpoint)
+        if args.hf is not None:
+            _export_hf(args.checkpoint, args.hf, args.submodule, index)
+            if args.output is None:
+                return 0
         module = (
             build_module(args.checkpoint, args.module, args.trust_checkpoint)
             if args.lightning
