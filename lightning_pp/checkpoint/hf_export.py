@@ -23,9 +23,7 @@ Example::
 
 from __future__ import annotations
 
-import json
 import os
-import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -33,50 +31,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from .hf_record import HF_META_KEY, hf_config_of
 from .sharded import CheckpointError, consolidated_state_dict, load_metadata, read_index
 
 __all__ = ["HF_META_KEY", "export_hf", "hf_config_of", "hf_record_of"]
-
-#: key of the record under ``meta["lightning_pp"]``
-HF_META_KEY = "hf"
-
-
-def _json(obj: Any) -> Any:
-    """Round-trip through JSON: the record must hold nothing a safe loader would refuse."""
-    return json.loads(json.dumps(obj))
-
-
-def hf_config_of(module: nn.Module) -> dict[str, dict[str, Any]] | None:
-    """``{attribute: {"class", "config", "generation_config"}}`` for each outermost
-    ``transformers.PreTrainedModel`` that ``module`` holds, or ``None`` when it holds none.
-
-    ``transformers`` is not imported here: a module built without it holds no such model.
-    The configs are stored in full (``use_diff=False``) so the export does not depend on the
-    defaults of the ``transformers`` version that reads them.
-
-    Example::
-
-        hf_config_of(finetune)  # {"model": {"class": "LlamaForCausalLM", "config": {...}, ...}}
-    """
-    tf = sys.modules.get("transformers")
-    if tf is None:
-        return None
-    base = tf.PreTrainedModel
-    found: dict[str, dict[str, Any]] = {}
-    for name, sub in module.named_modules():
-        if not name or not isinstance(sub, base):
-            continue
-        if any(name.startswith(outer + ".") for outer in found):
-            continue  # inside a model already recorded (LlamaForCausalLM.model)
-        gen = getattr(sub, "generation_config", None)
-        found[name] = {
-            "class": type(sub).__name__,
-            "config": json.loads(sub.config.to_json_string(use_diff=False)),
-            "generation_config": (
-                json.loads(gen.to_json_string(use_diff=False)) if gen is not None else None
-            ),
-        }
-    return _json(found) if found else None
 
 
 def _checkpoint_meta(path: Path) -> dict[str, Any]:

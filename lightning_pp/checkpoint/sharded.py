@@ -785,7 +785,7 @@ def save_pipeline_checkpoint(
     module's class is recorded so ``lightning-pp consolidate --lightning`` can rebuild the
     unpipelined module.
     """
-    from .hf_export import hf_config_of  # here: hf_export reads checkpoints through this module
+    from .hf_record import hf_config_of
 
     cls = type(module)
     checkpoint["lightning_pp"] = {"module_class": f"{cls.__module__}:{cls.__qualname__}"}
