@@ -173,16 +173,16 @@ def test_hf_on_a_checkpoint_without_a_hugging_face_model_names_what_is_missing(t
 
 
 def test_hf_refuses_a_class_transformers_does_not_have(tmp_path, monkeypatch):
-    import lightning_pp.checkpoint.hf_export as hf_export
+    import lightning_pp.checkpoint.hf_record as hf_record
 
-    real = hf_export.hf_config_of
+    real = hf_record.hf_config_of
 
     def renamed(module):
         record = real(module)
         record["model"]["class"] = "RemoteCodeForCausalLM"
         return record
 
-    monkeypatch.setattr(hf_export, "hf_config_of", renamed)
+    monkeypatch.setattr(hf_record, "hf_config_of", renamed)  # where the save looks it up
     ckpt = _save(_Holder(model_fn("gpt2")[0]()), tmp_path / "a.ckpt")
     with pytest.raises(CheckpointError, match="'RemoteCodeForCausalLM' is not a model class"):
         export_hf(ckpt, tmp_path / "hf")
