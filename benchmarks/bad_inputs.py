@@ -239,7 +239,9 @@ def cases() -> list[Case]:
     # schedules
     fit("schedule typo 'interleave'", "schedule", "strategy.schedule=interleave")
     fit("1f1b with vpp=2", "schedule", "strategy.vpp=2")
-    fit("zbv with vpp=1", "schedule", "strategy.schedule=zbv")
+    fit("zbv, vpp unset (zbv picks 2)", "schedule", "strategy.schedule=zbv", valid=True)
+    fit("zbv with explicit vpp=1", "schedule", "strategy.schedule=zbv", "strategy.vpp=1")
+    fit("zbv with vpp=3", "schedule", "strategy.schedule=zbv", "strategy.vpp=3")
     fit(
         "zbv vpp=2 microbatches=1",
         "schedule",
@@ -447,6 +449,11 @@ def cases() -> list[Case]:
         "api",
         {"pp": 2, "schedule": "zbv", "split": "model.blocks"},
         valid=True,
+    )
+    api(
+        "API zbv with explicit vpp=1",
+        "api",
+        {"pp": 2, "schedule": "zbv", "vpp": 1, "split": "model.blocks"},
     )
     api("API microbatches=0", "api", {"pp": 2, "microbatches": 0, "split": "model.blocks"})
     api(

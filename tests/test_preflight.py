@@ -174,6 +174,18 @@ DEMO_REFUSED = [
         "is only used with split=",
     ),
     (["strategy.partition=[1,1]"], "strategy.partition", "sums to 2 layers but the model has"),
+    # an explicit vpp the schedule cannot run (vpp=1 was once read as "unset" and replaced)
+    (
+        ["strategy.schedule=zbv", "strategy.vpp=1"],
+        "strategy.vpp",
+        "schedule 'zbv' runs exactly 2 chunks per rank (V placement) but vpp=1 was given",
+    ),
+    (["strategy.schedule=zbv", "strategy.vpp=3"], "strategy.vpp", "but vpp=3 was given"),
+    (
+        ["strategy.schedule=zb-h1", "strategy.vpp=2"],
+        "strategy.vpp",
+        "'zb-h1' cannot interleave: it runs one chunk per rank but vpp=2 was given",
+    ),
 ]
 
 
@@ -304,6 +316,31 @@ def test_strategy_refuses_the_settings_at_construction():
         PipelineStrategy(pp=2, split="model.h", partition="cost")
     with pytest.raises(ValueError, match="not supported with split="):
         PipelineStrategy(pp=2, split="model.h", recompute=[0])
+
+
+def test_an_explicit_vpp_is_applied_or_refused_never_replaced():
+    """vpp defaults to None, the schedule's own chunk count (zbv 2, others 1); a vpp given is
+    used as given or refused at construction naming the numbers. Before, the default was 1, so
+    PipelineStrategy(schedule="zbv", vpp=1) silently ran 2 chunks per rank."""
+    from lightning_pp.strategy import PipelineStrategy
+
+    for pp in (2, None):  # pp=None: refused without the world size too
+        zbv_one = r"'zbv' runs exactly 2 .* but vpp=1 was given"
+        with pytest.raises(PreflightError, match=zbv_one) as e:
+            PipelineStrategy(pp=pp, schedule="zbv", vpp=1)
+        assert e.value.key == "vpp" and "vpp=2 or leave vpp unset" in str(e.value)
+        assert "schedule='zb-h1'" in str(e.value)  # the one-chunk alternative
+        with pytest.raises(PreflightError, match="'zb-h1' cannot interleave.*vpp=2 was given"):
+            PipelineStrategy(pp=pp, schedule="zb-h1", vpp=2)
+        with pytest.raises(PreflightError, match="'1f1b' cannot interleave.*vpp=2 was given"):
+            PipelineStrategy(pp=pp, schedule="1f1b", vpp=2)
+    unset = PipelineStrategy(pp=2, schedule="zbv")
+    assert unset.vpp == 2 and unset.plan is not None and unset.plan.vpp == 2
+    assert PipelineStrategy(pp=2, schedule="zbv", vpp=2).plan.num_stages == 4
+    assert PipelineStrategy(pp=None, schedule="zbv").vpp == 2  # before the world is known
+    plain = PipelineStrategy(pp=2)
+    assert (plain.vpp, plain.schedule_name) == (1, "1f1b")
+    assert PipelineStrategy(pp=2, vpp=2).schedule_name == "interleaved"
 
 
 def test_selective_names_start_at_each_split_block():

@@ -24,8 +24,8 @@ def accepted(name: str, pp: int, vpp: int, m: int, n: int | None) -> bool:
         return n is None
     if name in ("1f1b", "zb-h1"):
         return vpp == 1 and n is None
-    if name == "zbv":  # vpp=1 is every caller's default and means "zbv's own 2"
-        return vpp in (1, 2) and n is None
+    if name == "zbv":  # exactly 2 chunks per rank; vpp unset (None) is zbv's own 2
+        return vpp == 2 and n is None
     nn = pp if n is None else n
     return vpp >= 2 and pp >= 2 and pp <= nn <= m and not (0 < m % nn < pp)
 

@@ -192,10 +192,12 @@ def test_zbv_placement_and_phases():
 
 
 def test_build_schedule_vpp_rules_for_zero_bubble():
-    # zbv: vpp unset or 1 (every caller's default) means its own 2; anything else is an error.
+    # zbv: vpp unset (None, every front end's default) means its own 2; a vpp given is taken
+    # as given, so an explicit 1 is refused like any other value but 2 (it was once replaced).
     assert build_schedule("zbv", pp=4, microbatches=8).vpp == 2
-    assert build_schedule("zbv", pp=4, microbatches=8, vpp=1).vpp == 2
     assert build_schedule("zbv", pp=4, microbatches=8, vpp=2).vpp == 2
+    with pytest.raises(ValueError, match=r"'zbv' runs exactly 2 chunks per rank .* vpp=1 was"):
+        build_schedule("zbv", pp=4, microbatches=8, vpp=1)
     with pytest.raises(ValueError, match=r"'zbv' runs exactly 2 chunks per rank .* vpp=3"):
         build_schedule("zbv", pp=4, microbatches=8, vpp=3)
     with pytest.raises(ValueError, match="vpp=1"):

@@ -35,7 +35,13 @@ from lightning_pp.commands.config import (
 )
 from lightning_pp.commands.launch import LaunchEnvironment
 from lightning_pp.layout.plan import PipelinePlan
-from lightning_pp.layout.rules import PreflightError, check_settings
+from lightning_pp.layout.rules import (
+    PreflightError,
+    check_schedule_vpp,
+    check_settings,
+    default_schedule,
+)
+from lightning_pp.schedules import DEFAULT_VPP
 from lightning_pp.strategy.preflight import check_module
 
 __all__ = [
@@ -404,7 +410,9 @@ def check_run(
                 ) from None
     if settings is None:
         return RunCheck(world, devices, num_nodes, None, False, info, notes)
-    pp, vpp = settings.get("pp"), settings.get("vpp", 1)
+    pp, vpp = settings.get("pp"), settings.get("vpp")
+    if vpp is None:  # unset: the schedule's own chunk count (zbv 2, else 1)
+        vpp = DEFAULT_VPP.get(str(settings.get("schedule") or default_schedule(None)), 1)
     # pp=None over a world not known yet: the strategy checks the module when it is
     cut = (pp if pp is not None else (world or 1)) * (vpp or 1) > 1
     if cut and not has_layers and not split:
@@ -423,6 +431,9 @@ def check_run(
             unknown_yet = ("pp", "schedule")  # need the pipeline size to be checked
             given = {k: v for k, v in settings.items() if k not in unknown_yet}
             check_settings(accumulate_grad_batches=accumulate, **given)
+            schedule = settings.get("schedule")
+            if isinstance(schedule, str):  # an explicit vpp it cannot run: known without pp
+                check_schedule_vpp(schedule, settings.get("vpp"))
             return RunCheck(world, devices, num_nodes, None, True, info, notes)
         plan = PipelinePlan.build(
             world_size=world,

@@ -60,9 +60,9 @@ def config_shape(cfg: RunConfig, profile: Any, world: int, global_batch: int) ->
     s = cfg.get("strategy") or {}
     s = s.get("init_args", s) if "class_path" in s else s
     pp = int(s.get("pp") or 1)
-    vpp = int(s.get("vpp") or 1)
+    vpp = None if s.get("vpp") is None else int(s["vpp"])  # None: the schedule's own
     m = int(s.get("microbatches") or pp)
-    schedule = s.get("schedule") or ("interleaved" if vpp > 1 else "1f1b")
+    schedule = s.get("schedule") or ("interleaved" if vpp is not None and vpp > 1 else "1f1b")
     recompute = s.get("recompute")
     if recompute not in (None, "full"):
         return ConfigShape(error=f"recompute={recompute!r}: the planner models None or 'full'")

@@ -28,7 +28,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--schedule", required=True, choices=sorted(SCHEDULES))
     p.add_argument("--pp", type=int, required=True, help="pipeline ranks")
-    p.add_argument("--vpp", type=int, default=1, help="model chunks per rank (default 1)")
+    p.add_argument(
+        "--vpp",
+        type=int,
+        default=None,
+        help="model chunks per rank (default: the schedule's own, 2 for zbv, else 1)",
+    )
     p.add_argument("--microbatches", type=int, required=True, help="microbatches per step")
     p.add_argument(
         "--group-size",

@@ -113,7 +113,7 @@ class PipelinePlan:
         cls,
         *,
         pp: int | None = None,
-        vpp: int = 1,
+        vpp: int | None = None,
         microbatches: int | None = None,
         schedule: str | None = None,
         group_size: int | None = None,
@@ -176,7 +176,7 @@ class PipelinePlan:
                 warnings.warn(text, PipelineWarning, stacklevel=2)
         plan = cls(
             pp=pp,
-            # the schedule's own chunk count: zbv runs 2 chunks per rank when vpp is unset (1)
+            # the schedule's chunk count: vpp when given, else its own (zbv 2, others 1)
             vpp=built.vpp,
             microbatches=built.microbatches,
             schedule=built,

@@ -8,7 +8,9 @@ the shape (``pp`` left to the world size) calls the rules it can.
 Schedule rules live in :mod:`lightning_pp.schedules.generators`; :func:`check_schedule_args`
 calls the generators and lets their messages through as a :class:`PreflightError`. The defaults
 written here and only here: ``schedule`` is ``"1f1b"`` when ``vpp == 1`` and ``"interleaved"``
-otherwise; ``microbatches`` is ``pp``.
+otherwise; ``microbatches`` is ``pp``; ``vpp`` unset (``None``) is the schedule's own chunk count
+(2 for ``zbv``, else 1), and a ``vpp`` given explicitly is never replaced: one the schedule cannot
+run is refused (:func:`check_schedule_vpp`).
 
 Example:
     >>> check_world(8, pp=4)
@@ -58,9 +60,44 @@ class PipelineWarning(UserWarning):
     """A setting that works but wastes most of the hardware (e.g. ``microbatches < pp``)."""
 
 
-def default_schedule(vpp: int) -> str:
-    """The schedule used when none is named: ``"1f1b"``, or ``"interleaved"`` for ``vpp > 1``."""
-    return "1f1b" if vpp == 1 else "interleaved"
+def default_schedule(vpp: int | None) -> str:
+    """The schedule used when none is named: ``"1f1b"`` (``vpp`` unset or 1), or
+    ``"interleaved"`` for ``vpp > 1``."""
+    return "1f1b" if vpp is None or vpp == 1 else "interleaved"
+
+
+def check_schedule_vpp(schedule: str, vpp: int | None, pp: int | None = None) -> None:
+    """Refuse a ``vpp`` given explicitly that ``schedule`` cannot run; ``None`` (unset) passes.
+    ``pp`` (when known) sharpens the suggested fix.
+
+    Why a rule of its own: ``zbv`` runs exactly 2 chunks per rank, and until ``vpp`` defaulted
+    to ``None`` an explicit ``vpp=1`` could not be told from the default, so it was silently
+    replaced by 2. The message names the value given and the values that would work.
+
+    >>> try:
+    ...     check_schedule_vpp("zbv", 1)
+    ... except PreflightError as e:
+    ...     (e.key, str(e)[:79])
+    ('vpp', "schedule 'zbv' runs exactly 2 chunks per rank (V placement) but vpp=1 was given")
+    """
+    if vpp is None:
+        return
+    if schedule == "zbv" and vpp != 2:
+        other = "'zb-h1' (its one-chunk zero-bubble sibling)" if vpp == 1 else "'interleaved'"
+        raise PreflightError(
+            f"schedule 'zbv' runs exactly 2 chunks per rank (V placement) but vpp={vpp} was "
+            f"given: zbv cannot run {vpp} chunk{'s' if vpp != 1 else ''} per rank. Set vpp=2 or "
+            f"leave vpp unset (zbv's own 2), or use schedule={other} for vpp={vpp}",
+            key="vpp",
+        )
+    if schedule in ("1f1b", "zb-h1") and vpp != 1:
+        shape = f" (pp={pp}, vpp={vpp})" if pp is not None else ""
+        other = "'zbv' (vpp=2)" if schedule == "zb-h1" else f"'interleaved'{shape} or 'gpipe'"
+        raise PreflightError(
+            f"schedule {schedule!r} cannot interleave: it runs one chunk per rank but "
+            f"vpp={vpp} was given; use schedule={other}, or set vpp=1 or leave it unset",
+            key="schedule" if schedule == "1f1b" else "vpp",
+        )
 
 
 def _divisors(n: int) -> list[int]:
@@ -96,7 +133,7 @@ def _positive_number(name: str, value: Any, unit: str, none_means: str | None = 
 
 def check_settings(
     *,
-    vpp: int = 1,
+    vpp: int | None = None,
     microbatches: int | None = None,
     partition: str | Sequence[int] = "uniform",
     group_size: int | None = None,
@@ -313,21 +350,25 @@ def check_schedule_args(
     schedule: str | None,
     pp: int,
     microbatches: int | None = None,
-    vpp: int = 1,
+    vpp: int | None = None,
     group_size: int | None = None,
     *,
     warn: bool = True,
 ) -> Schedule:
     """Build the schedule the strategy would run (its generator's rules, unchanged).
 
-    ``schedule=None`` picks :func:`default_schedule`; ``microbatches=None`` means ``pp``. Emits
+    ``schedule=None`` picks :func:`default_schedule`; ``microbatches=None`` means ``pp``;
+    ``vpp=None`` the schedule's own chunk count (an explicit one it cannot run is refused by
+    :func:`check_schedule_vpp`). Emits
     a :class:`PipelineWarning` for ``microbatches < pp`` (see :func:`bubble_warning`).
 
     Raises:
         PreflightError: bad sizes, an unknown schedule name (with a did-you-mean), or the
             generator's own rules (e.g. interleaved group sizes) in the generator's words.
     """
-    _positive(pp=pp, vpp=vpp)
+    _positive(pp=pp)
+    if vpp is not None:
+        _positive(vpp=vpp)
     m = pp if microbatches is None else microbatches
     _positive(microbatches=m)
     name = schedule if schedule is not None else default_schedule(vpp)
@@ -335,12 +376,7 @@ def check_schedule_args(
         check_schedule_name(name)
     except ValueError as e:
         raise PreflightError(str(e), key="schedule") from None
-    if name == "1f1b" and vpp > 1:
-        raise PreflightError(
-            f"schedule '1f1b' cannot interleave: it runs one chunk per rank but vpp={vpp}; use "
-            f"schedule='interleaved' (pp={pp}, vpp={vpp}) or 'gpipe', or set vpp=1",
-            key="schedule",
-        )
+    check_schedule_vpp(name, vpp, pp)
     try:
         built = build_schedule(name, pp=pp, microbatches=m, vpp=vpp, group_size=group_size)
     except PreflightError:

@@ -387,7 +387,7 @@ def _base_plans(
 
 
 def _checked_plan(
-    world: int, pp: int, dp: int, per: int, schedule: str, microbatches: int, vpp: int
+    world: int, pp: int, dp: int, per: int, schedule: str, microbatches: int, vpp: int | None
 ) -> PipelinePlan:
     """The plan of one shape after the schedule's and the batch's rules (the world's is the
     caller's), without layers; raises :class:`PreflightError`."""
@@ -518,7 +518,7 @@ def make_candidate(
     global_batch: int,
     *,
     pp: int,
-    vpp: int,
+    vpp: int | None,
     microbatches: int,
     schedule: str,
     split: str | Sequence[int] = "uniform",
@@ -526,7 +526,7 @@ def make_candidate(
 ) -> tuple[Candidate, PipelinePlan]:
     """One given shape as a candidate and its checked plan (the plan's rules judge it, as in
     :func:`search`); ``split``: ``"uniform"``, ``"cost"`` (balanced as the search balances)
-    or the layers of each virtual stage.
+    or the layers of each virtual stage; ``vpp=None``: the schedule's own (2 for zbv, else 1).
 
     Raises:
         PreflightError: the plan refuses the shape (its message names the numbers).

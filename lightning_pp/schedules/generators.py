@@ -274,8 +274,9 @@ def zbv(pp: int, microbatches: int, vpp: int = 2) -> Schedule:
     check_positive(pp=pp, vpp=vpp, microbatches=microbatches)
     if vpp != 2:
         raise ValueError(
-            f"schedule 'zbv' runs exactly 2 chunks per rank (V placement) but vpp={vpp}; "
-            f"use vpp=2 (build_schedule also accepts vpp unset or 1 for zbv)"
+            f"schedule 'zbv' runs exactly 2 chunks per rank (V placement) but vpp={vpp} was "
+            f"given; set vpp=2 or leave vpp unset (zbv's own 2 chunks), or use schedule="
+            f"'zb-h1' for vpp=1"
         )
     n = max(microbatches, 2 * pp - 1)
     ranks = (tuple(a for a in _zbv_rank(pp, r, n) if a.mb < microbatches) for r in range(pp))
@@ -349,20 +350,25 @@ def build_schedule(
 ) -> Schedule:
     """Build a schedule by name.
 
-    ``vpp`` unset means the schedule's own chunk count: 2 for ``zbv``, else 1. ``zbv`` runs
-    exactly 2 chunks per rank; because every caller in the project (CLI, YAML, strategy)
-    defaults ``vpp`` to 1, ``vpp=1`` is read as "unset" for ``zbv`` too, and any other value is
-    an error. The returned ``schedule.vpp`` is what to partition by, not the argument.
+    ``vpp=None`` (unset, every front end's default) means the schedule's own chunk count:
+    2 for ``zbv``, else 1. A given ``vpp`` is taken as given: one the schedule cannot run
+    (``zbv`` with anything but 2, ``1f1b``/``zb-h1`` with more than 1, ``interleaved`` with 1)
+    is an error naming it, never replaced. The returned ``schedule.vpp`` is what to partition
+    by.
 
     Example:
         >>> s = build_schedule("interleaved", pp=4, vpp=2, microbatches=8)
         >>> (s.pp, s.vpp, len(s.ranks[0]))
         (4, 2, 32)
-        >>> build_schedule("zbv", pp=4, microbatches=8, vpp=1).vpp
+        >>> build_schedule("zbv", pp=4, microbatches=8).vpp
         2
+        >>> build_schedule("zbv", pp=4, microbatches=8, vpp=1)
+        Traceback (most recent call last):
+        ...
+        ValueError: schedule 'zbv' runs exactly 2 chunks per rank (V placement) but vpp=1 was ...
     """
     check_schedule_name(name)
-    if vpp is None or (vpp == 1 and name in DEFAULT_VPP):
+    if vpp is None:
         vpp = DEFAULT_VPP.get(name, 1)
     if name == "interleaved":
         return interleaved(pp, microbatches, vpp=vpp, group_size=group_size)

@@ -56,11 +56,18 @@ from ..layout.placement import LayerPlacement
 from ..layout.plan import PipelinePlan
 from ..layout.rank_layout import RankLayout
 from ..layout.recompute_spec import RecomputeSpec, Selective, check_recompute
-from ..layout.rules import PreflightError, check_settings, check_split_settings, default_schedule
+from ..layout.rules import (
+    PreflightError,
+    check_schedule_vpp,
+    check_settings,
+    check_split_settings,
+    default_schedule,
+)
 from ..layout.topology import PipelineTopology, ProcessGroups, build_process_groups
 from ..runtime.errors import DEFAULT_WATCHDOG_TIMEOUT, PipelineAborted, report_failure
 from ..runtime.grad_sync import DeferredGradSync, TiedParameterSync
 from ..runtime.recompute import select_targets, selective_units
+from ..schedules import DEFAULT_VPP
 from . import eval_step
 from .engine_build import LossScale, build_engine, build_grad_sync, log_start, module_io
 from .model_summary import restore_summaries, use_stage_summaries
@@ -85,12 +92,15 @@ class PipelineStrategy(ProcessGroupStrategy):
 
     Args:
         pp: pipeline stages (ranks per pipeline). ``None``: all processes in one pipeline.
-        vpp: chunks per rank (virtual pipeline size). ``vpp > 1`` interleaves.
+        vpp: chunks per rank (virtual pipeline size). ``vpp > 1`` interleaves. ``None`` (the
+            default): the schedule's own, 2 for ``"zbv"`` and 1 for the others. A value given
+            is never replaced: one the schedule cannot run (``zbv`` with ``vpp=1``, ``1f1b``
+            with ``vpp=2``) is refused at construction.
         microbatches: microbatches per batch; default ``pp`` (the smallest count that fills the
             pipeline; raise it to shrink the bubble ``(pp - 1) / (vpp * m)``).
         schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved"``, or the zero-bubble ``"zb-h1"``
-            (vpp 1) and ``"zbv"`` (2 chunks per rank in V placement whatever vpp says when it is
-            unset); default ``"1f1b"`` when ``vpp == 1`` and ``"interleaved"`` otherwise.
+            (vpp 1) and ``"zbv"`` (exactly 2 chunks per rank in V placement); default
+            ``"1f1b"`` when ``vpp`` is unset or 1 and ``"interleaved"`` otherwise.
         partition: ``"uniform"``, ``"parameters"``, ``"cost"`` or a list of per-stage layer counts.
         group_size: interleaved schedule's microbatch group size (default ``pp``).
         release_outputs: free a sent activation's storage (only its autograd graph is kept).
@@ -133,7 +143,7 @@ class PipelineStrategy(ProcessGroupStrategy):
     def __init__(
         self,
         pp: int | None = None,
-        vpp: int = 1,
+        vpp: int | None = None,
         microbatches: int | None = None,
         schedule: str | None = None,
         partition: str | Sequence[int] = "uniform",
@@ -166,7 +176,8 @@ class PipelineStrategy(ProcessGroupStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
-        self._pp, self.vpp, self._microbatches = pp, vpp, microbatches
+        # vpp as given (None: unset, the schedule's own); the ``vpp`` property is the resolved one
+        self._pp, self._vpp, self._microbatches = pp, vpp, microbatches
         self.schedule_name = schedule or default_schedule(vpp)
         self.partition = partition
         self.group_size = group_size
@@ -178,7 +189,8 @@ class PipelineStrategy(ProcessGroupStrategy):
         self.recompute, self.activation_budget = check_recompute(
             recompute, activation_budget, split=split
         )
-        check_split_settings(split, split_placement, partition, pp=pp, vpp=vpp)
+        own_vpp = vpp if vpp is not None else DEFAULT_VPP.get(self.schedule_name, 1)
+        check_split_settings(split, split_placement, partition, pp=pp, vpp=own_vpp)
         #: the ``split=`` path (an unmodified model cut between its blocks), else ``None``
         self.split_pipeline = SplitPipeline(split, split_placement) if split else None
         #: builds and stages this rank's layers: ``split=``'s, or the module's PipelineLayers
@@ -191,6 +203,7 @@ class PipelineStrategy(ProcessGroupStrategy):
             self.plan = PipelinePlan.build(pp=pp, **self._settings())
         else:
             check_settings(**{k: v for k, v in self._settings().items() if k != "schedule"})
+            check_schedule_vpp(self.schedule_name, vpp)  # known without the world size
 
         self.chunks: list[PipelineChunk] = []
         self.engine: Any = None
@@ -242,6 +255,15 @@ class PipelineStrategy(ProcessGroupStrategy):
         return self._pp if self._pp is not None else self.world_size
 
     @property
+    def vpp(self) -> int:
+        """Chunks per rank: the plan's (the schedule's own when ``vpp`` was left unset)."""
+        if self.plan is not None:
+            return self.plan.vpp
+        if self._vpp is not None:
+            return self._vpp
+        return DEFAULT_VPP.get(self.schedule_name, 1)
+
+    @property
     def dp(self) -> int:
         return self.world_size // self.pp
 
@@ -270,9 +292,10 @@ class PipelineStrategy(ProcessGroupStrategy):
     # the rules and their messages). Each runs on every rank alike, before any communication
     # that a bad value would hang.
     def _settings(self) -> dict[str, Any]:
-        names = ("vpp", "partition", "group_size", "recv_lookahead", "bucket_cap_mb")
+        names = ("partition", "group_size", "recv_lookahead", "bucket_cap_mb")
         return {
             **{name: getattr(self, name) for name in names},
+            "vpp": self._vpp,
             "microbatches": self._microbatches,
             "watchdog_timeout": self.watchdog_timeout,
             "schedule": self.schedule_name,

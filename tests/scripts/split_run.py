@@ -32,7 +32,7 @@ def run(cfg: dict, devices: int, out: str) -> None:
     name = cfg["name"]
     strategy = PipelineStrategy(
         pp=cfg["pp"],
-        vpp=cfg.get("vpp", 1),
+        vpp=cfg.get("vpp"),
         microbatches=cfg.get("microbatches"),
         schedule=cfg.get("schedule"),
         split=cfg["split"],
