@@ -82,7 +82,7 @@ LLAMA = dict(
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--pp", type=int, default=2, help="pipeline stages (0: plain Trainer)")
-    p.add_argument("--vpp", type=int, default=1)
+    p.add_argument("--vpp", type=int, default=None, help="chunks per rank (unset: the schedule's)")
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--devices", type=int, default=4)
     p.add_argument("--steps", type=int, default=100)

@@ -40,7 +40,7 @@ class Progressions(Dataset):
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--pp", type=int, default=2, help="pipeline stages (0: no pipeline)")
-    p.add_argument("--vpp", type=int, default=1)
+    p.add_argument("--vpp", type=int, default=None, help="chunks per rank (unset: the schedule's)")
     p.add_argument("--microbatches", type=int, default=None)
     p.add_argument("--schedule", default=None)
     p.add_argument("--devices", type=int, default=None, help="default: launcher's or --pp")

@@ -85,7 +85,7 @@ def run_phase(spec: dict, out: str, devices: int) -> dict:
     else:
         strategy = PipelineStrategy(
             pp=spec["pp"],
-            vpp=spec.get("vpp", 1),
+            vpp=spec.get("vpp"),  # unset: the schedule's own (zbv: 2)
             microbatches=spec.get("microbatches"),
             schedule=spec.get("schedule"),
             timeout=timedelta(seconds=90),
