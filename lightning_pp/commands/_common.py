@@ -41,7 +41,7 @@ from lightning_pp.layout.rules import (
     check_settings,
     default_schedule,
 )
-from lightning_pp.schedules import DEFAULT_VPP
+from lightning_pp.schedules import chunks_per_rank
 from lightning_pp.strategy.preflight import check_module
 
 __all__ = [
@@ -410,9 +410,10 @@ def check_run(
                 ) from None
     if settings is None:
         return RunCheck(world, devices, num_nodes, None, False, info, notes)
-    pp, vpp = settings.get("pp"), settings.get("vpp")
-    if vpp is None:  # unset: the schedule's own chunk count (zbv 2, else 1)
-        vpp = DEFAULT_VPP.get(str(settings.get("schedule") or default_schedule(None)), 1)
+    pp = settings.get("pp")
+    vpp = chunks_per_rank(
+        str(settings.get("schedule") or default_schedule(None)), settings.get("vpp")
+    )
     # pp=None over a world not known yet: the strategy checks the module when it is
     cut = (pp if pp is not None else (world or 1)) * (vpp or 1) > 1
     if cut and not has_layers and not split:

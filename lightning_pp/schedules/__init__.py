@@ -18,6 +18,7 @@ from .generators import (
     check_interleaved,
     check_positive,
     check_schedule_name,
+    chunks_per_rank,
     gpipe,
     interleaved,
     interleaved_table,
@@ -40,6 +41,7 @@ from .validate import (
 
 __all__ = [
     "DEFAULT_VPP",
+    "chunks_per_rank",
     "OP_STYLE",
     "SCHEDULES",
     "Action",

@@ -332,6 +332,18 @@ SCHEDULES: dict[str, Callable[..., Schedule]] = {
 DEFAULT_VPP: dict[str, int] = {"zbv": 2}
 
 
+def chunks_per_rank(name: str, vpp: int | None = None) -> int:
+    """``vpp`` when given, else schedule ``name``'s own chunk count (2 for ``zbv``, else 1).
+
+    The one place "unset" is resolved: the strategy, the CLI's checks and
+    :func:`build_schedule` all read it here.
+
+    >>> chunks_per_rank("zbv"), chunks_per_rank("1f1b"), chunks_per_rank("interleaved", 3)
+    (2, 1, 3)
+    """
+    return vpp if vpp is not None else DEFAULT_VPP.get(name, 1)
+
+
 def check_schedule_name(name: str) -> str:
     """Return ``name`` if it is a known schedule, else raise with a did-you-mean."""
     if name in SCHEDULES:
@@ -368,8 +380,7 @@ def build_schedule(
         ValueError: schedule 'zbv' runs exactly 2 chunks per rank (V placement) but vpp=1 was ...
     """
     check_schedule_name(name)
-    if vpp is None:
-        vpp = DEFAULT_VPP.get(name, 1)
+    vpp = chunks_per_rank(name, vpp)
     if name == "interleaved":
         return interleaved(pp, microbatches, vpp=vpp, group_size=group_size)
     if group_size is not None:

@@ -67,7 +67,7 @@ from ..layout.topology import PipelineTopology, ProcessGroups, build_process_gro
 from ..runtime.errors import DEFAULT_WATCHDOG_TIMEOUT, PipelineAborted, report_failure
 from ..runtime.grad_sync import DeferredGradSync, TiedParameterSync
 from ..runtime.recompute import select_targets, selective_units
-from ..schedules import DEFAULT_VPP
+from ..schedules import chunks_per_rank
 from . import eval_step
 from .engine_build import LossScale, build_engine, build_grad_sync, log_start, module_io
 from .model_summary import restore_summaries, use_stage_summaries
@@ -189,8 +189,9 @@ class PipelineStrategy(ProcessGroupStrategy):
         self.recompute, self.activation_budget = check_recompute(
             recompute, activation_budget, split=split
         )
-        own_vpp = vpp if vpp is not None else DEFAULT_VPP.get(self.schedule_name, 1)
-        check_split_settings(split, split_placement, partition, pp=pp, vpp=own_vpp)
+        check_split_settings(
+            split, split_placement, partition, pp=pp, vpp=chunks_per_rank(self.schedule_name, vpp)
+        )
         #: the ``split=`` path (an unmodified model cut between its blocks), else ``None``
         self.split_pipeline = SplitPipeline(split, split_placement) if split else None
         #: builds and stages this rank's layers: ``split=``'s, or the module's PipelineLayers
@@ -259,9 +260,7 @@ class PipelineStrategy(ProcessGroupStrategy):
         """Chunks per rank: the plan's (the schedule's own when ``vpp`` was left unset)."""
         if self.plan is not None:
             return self.plan.vpp
-        if self._vpp is not None:
-            return self._vpp
-        return DEFAULT_VPP.get(self.schedule_name, 1)
+        return chunks_per_rank(self.schedule_name, self._vpp)
 
     @property
     def dp(self) -> int:
