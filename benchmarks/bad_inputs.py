@@ -145,7 +145,8 @@ class MixinList(PipelineMixin, L.LightningModule):
 '''
 
 # The Python API runner: builds the model and a Trainer(devices=2) with the strategy's keyword
-# arguments given as JSON, and turns an exception in the launching process into exit code 2.
+# arguments given as JSON, and turns an exception in the launching process (building the strategy
+# or the Trainer, or in fit) into exit code 2.
 API_RUNNER = """
 import json, sys, warnings
 warnings.filterwarnings("ignore")
@@ -154,18 +155,21 @@ from lightning_pp import PipelineStrategy
 import bi_models
 
 spec = json.loads(sys.argv[1])
-model = getattr(bi_models, spec.get("model", "TinySplit"))(**spec.get("model_args", {}))
-if spec.get("gpt"):
-    from lightning_pp import GPT
-    model = GPT(vocab_size=64, n_layer=4, n_head=2, n_embd=16, block_size=16, max_steps=2)
-trainer = L.Trainer(accelerator="cpu", devices=spec.get("devices", 2), max_steps=2, logger=False,
-                    enable_checkpointing=False, enable_progress_bar=False,
-                    enable_model_summary=False, num_sanity_val_steps=0,
-                    strategy=PipelineStrategy(**spec["strategy"]))
+trainer = None
 try:
+    # the strategy checks its settings when it is built (a PreflightError there is the API's
+    # before-spawn refusal), the rest when fit starts
+    model = getattr(bi_models, spec.get("model", "TinySplit"))(**spec.get("model_args", {}))
+    if spec.get("gpt"):
+        from lightning_pp import GPT
+        model = GPT(vocab_size=64, n_layer=4, n_head=2, n_embd=16, block_size=16, max_steps=2)
+    trainer = L.Trainer(accelerator="cpu", devices=spec.get("devices", 2), max_steps=2,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, num_sanity_val_steps=0,
+                        strategy=PipelineStrategy(**spec["strategy"]))
     trainer.fit(model, bi_models.TinyData())
 except Exception as exc:
-    if trainer.global_rank != 0:
+    if trainer is not None and trainer.global_rank != 0:
         raise
     print(f"ERROR: {type(exc).__name__}: {exc}", file=sys.stderr)
     sys.exit(2)

@@ -144,8 +144,13 @@ class MetaModelInfo:
         return None if self.layer_params is None else len(self.layer_params)
 
 
-def meta_model_info(cfg: RunConfig) -> MetaModelInfo:
-    """Build the configured model on the meta device and count its parameters per layer."""
+def meta_model_info(cfg: RunConfig, *, layers: bool = True) -> MetaModelInfo:
+    """Build the configured model on the meta device and count its parameters per layer.
+
+    ``layers=False`` (a ``split=`` run): leave ``pipeline_layers()`` alone, since ``split=``
+    cuts the named container, not the layers hook; a ``PipelineMixin`` whose hook cannot run
+    is then refused by the split rules with their own fix (:func:`check_module`), instead of
+    by the hook's message, whose fix is for the other path."""
     import torch
 
     with torch.device("meta"):
@@ -157,18 +162,18 @@ def meta_model_info(cfg: RunConfig) -> MetaModelInfo:
     on_meta = all(p.device.type == "meta" for p in params)
     total = sum(p.numel() for p in params)
     names = counts = costs = None
-    layers_fn = getattr(model, "pipeline_layers", None)
+    layers_fn = getattr(model, "pipeline_layers", None) if layers else None
     if callable(layers_fn):
-        layers = layers_fn()
+        pipeline = layers_fn()
         custom = getattr(model, "pipeline_layer_params", None)
         counts = custom() if callable(custom) else None
         if counts is None:
             counts, names = [], []
-            for i in range(layers.num_layers):
-                layer = layers[i] if i in layers else None
+            for i in range(pipeline.num_layers):
+                layer = pipeline[i] if i in pipeline else None
                 if layer is None:  # not built here: build it alone, still on meta
                     with torch.device("meta"):
-                        layer = layers._builders[i]()
+                        layer = pipeline._builders[i]()
                 names.append(type(layer).__name__)
                 counts.append(sum(p.numel() for p in layer.parameters()))
         costs_fn = getattr(model, "pipeline_layer_costs", None)
@@ -402,7 +407,7 @@ def check_run(
     info = None
     if model == "require" or (model == "try" and settings is not None and (has_layers or split)):
         try:
-            info = meta_model_info(cfg)
+            info = meta_model_info(cfg, layers=not split)
         except Exception as err:  # a user model that cannot be built on meta: say which and why
             if model == "require":
                 raise ConfigError(

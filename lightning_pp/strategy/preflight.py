@@ -29,8 +29,15 @@ from ..layout.plan import PipelinePlan
 from ..layout.recompute_spec import Selective, parse_recompute
 from ..layout.rules import PreflightError
 from ..runtime.recompute import selective_matches
+from .model import PipelineLayers, PipelineMixin
 
-__all__ = ["check_module", "check_recompute_targets", "meta_view", "split_layout"]
+__all__ = [
+    "check_module",
+    "check_recompute_targets",
+    "meta_view",
+    "split_layout",
+    "split_mixin_message",
+]
 
 # The most candidate names an error lists (a 1B model has thousands of submodules).
 _MAX_CANDIDATES = 24
@@ -74,6 +81,33 @@ def split_layout(
         model, split, plan.num_stages, placement=placement, ranges=plan.layer_ranges
     )
     return layout, plan
+
+
+def split_mixin_message(split: str, module: Any) -> str | None:
+    """Why ``split=`` cannot run a ``PipelineMixin`` whose ``layers`` is not a
+    ``PipelineLayers`` and which keeps the mixin's steps, else ``None``.
+
+    ``split=`` runs the module's own ``training_step``; the mixin's runs
+    ``self.pipeline_layers()``, which needs a ``PipelineLayers``. Left alone this ended in the
+    mixin's ``TypeError`` telling the user to create ``PipelineLayers`` in ``configure_model()``,
+    which is a fix for the other path (without ``split=``), not for this one.
+    """
+    if not isinstance(module, PipelineMixin):
+        return None
+    if isinstance(getattr(module, "layers", None), PipelineLayers):
+        return None  # the explicit-layers model: not this message's case
+    if type(module).training_step is not PipelineMixin.training_step:
+        return None  # its own training_step runs under split=
+    name = type(module).__name__
+    kind = type(getattr(module, "layers", None)).__name__
+    return (
+        f"split={split!r}: {name} is a PipelineMixin whose layers is a {kind}, not "
+        f"PipelineLayers, and it keeps the mixin's training_step, which runs "
+        f"self.pipeline_layers() (a PipelineLayers); split= runs the module's own training_step. "
+        f"Fix: either drop split= and build self.layers = PipelineLayers([...]) in "
+        f"configure_model() (the PipelineMixin path), or keep split={split!r} and define "
+        f"{name} as a plain LightningModule (without PipelineMixin) with its own training_step"
+    )
 
 
 def _containers(model: nn.Module) -> str:
@@ -156,6 +190,9 @@ def check_module(
     model's layers (or blocks). ``module``: the whole LightningModule, real or on the meta
     device."""
     if split:
+        mixin = split_mixin_message(split, module)
+        if mixin is not None:
+            raise SplitError(mixin)
         layout, plan = split_layout(module, split, split_placement, plan)
         names = [*layout.blocks, *layout.units]
         units = [(n, module.get_submodule(n)) for n in names]

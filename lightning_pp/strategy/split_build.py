@@ -65,9 +65,8 @@ from ..runtime.grad_sync import TiedGroup, TiedParameterSync
 from ..runtime.microbatch import batch_size_of, batch_size_or_none
 from . import eval_step
 from .engine_build import LossScale
-from .model import PipelineLayers, PipelineMixin
 from .module_rules import check_no_scaler
-from .preflight import split_layout
+from .preflight import split_layout, split_mixin_message
 
 __all__ = ["SplitPipeline"]
 
@@ -162,33 +161,6 @@ class _SplitChunk(nn.Module):
 
     def forward(self, x: Any, microbatch: Any) -> Any:
         return self._pipeline[0].run_chunk(self.chunk, x, microbatch)
-
-
-def split_mixin_message(split: str, module: Any) -> str | None:
-    """Why ``split=`` cannot run a ``PipelineMixin`` whose ``layers`` is not a
-    ``PipelineLayers`` and which keeps the mixin's steps, else ``None``.
-
-    ``split=`` runs the module's own ``training_step``; the mixin's runs
-    ``self.pipeline_layers()``, which needs a ``PipelineLayers``. Left alone this ended in the
-    mixin's ``TypeError`` telling the user to create ``PipelineLayers`` in ``configure_model()``,
-    which is a fix for the other path (without ``split=``), not for this one.
-    """
-    if not isinstance(module, PipelineMixin):
-        return None
-    if isinstance(getattr(module, "layers", None), PipelineLayers):
-        return None  # the explicit-layers model: not this message's case
-    if type(module).training_step is not PipelineMixin.training_step:
-        return None  # its own training_step runs under split=
-    name = type(module).__name__
-    kind = type(getattr(module, "layers", None)).__name__
-    return (
-        f"split={split!r}: {name} is a PipelineMixin whose layers is a {kind}, not "
-        f"PipelineLayers, and it keeps the mixin's training_step, which runs "
-        f"self.pipeline_layers() (a PipelineLayers); split= runs the module's own training_step. "
-        f"Fix: either drop split= and build self.layers = PipelineLayers([...]) in "
-        f"configure_model() (the PipelineMixin path), or keep split={split!r} and define "
-        f"{name} as a plain LightningModule (without PipelineMixin) with its own training_step"
-    )
 
 
 class SplitPipeline:
