@@ -24,7 +24,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_pp.autosplit.split import SplitError
 from lightning_pp.commands.config import (
     ConfigError,
     RunConfig,
@@ -42,7 +41,6 @@ from lightning_pp.layout.rules import (
     default_schedule,
 )
 from lightning_pp.schedules import chunks_per_rank
-from lightning_pp.strategy.preflight import check_module
 
 __all__ = [
     "MetaModelInfo",
@@ -393,6 +391,10 @@ def check_run(
     device may still train); ``"skip"`` does not build it. ``this_machine``: see
     :func:`check_trainer`.
     """
+    # imported here, not at the top: `lightning-pp schedule` and `--help` register every
+    # subcommand, and this module's import must not cost them torch (1.7 s on 2 cores)
+    from lightning_pp.autosplit.split import SplitError
+
     notes = tuple(check_trainer(cfg, this_machine=this_machine))
     check_data(cfg)
     devices, num_nodes = resolve_world(cfg, launch)
@@ -459,6 +461,8 @@ def check_run(
             # same function, on the meta build: refused here, once, instead of there.
             assert isinstance(strategy_spec, Mapping) or strategy_spec == "pipeline"
             section = strategy_spec if isinstance(strategy_spec, Mapping) else {}
+            from lightning_pp.strategy.preflight import check_module
+
             plan = check_module(
                 info.module,
                 plan,
