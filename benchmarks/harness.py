@@ -35,10 +35,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
-from lightning_pp.planner.verify import free_port, wait_for_world
+from lightning_pp.planner.verify import free_port, wait_for_world, world_context
 
 # --------------------------------------------------------------------------------------------
 # Machine description (goes into every results file)
@@ -141,13 +140,14 @@ def launch(
     device: str = "cpu",
     timeout: float = 1800.0,
 ) -> list[Any]:
-    """Run ``fn(rank, world_size, device, args)`` on ``world_size`` spawned ranks; return results.
+    """Run ``fn(rank, world_size, device, args)`` on ``world_size`` ranks forked from a fresh
+    forkserver that imported torch once (the planner's :func:`world_context`); return results.
 
     ``fn`` must be importable (defined at module level). On any rank's error, or when ``timeout``
     seconds pass, every still-running worker is killed and a ``RuntimeError``
     (:class:`~lightning_pp.planner.verify.WorldFailure`) names the rank.
     """
-    ctx = mp.get_context("spawn")
+    ctx = world_context()
     queue = ctx.Queue()
     port = free_port()
     procs = [
