@@ -12,6 +12,7 @@ import math
 import os
 import sys
 
+import background
 import pytest
 import torch
 
@@ -85,7 +86,9 @@ def test_memory_bound_follows_schedule_order():
     assert report.memory_bound(s, 3, [100.0]) == 100.0
 
 
-def test_strategy_overhead_script(tmp_path):
+def _strategy_overhead_script(tmp_path) -> str:
+    """bench_strategy starts a fresh interpreter per run (plain Trainer, then the strategy), so
+    it runs in the background while the in-process tests run (tests/background.py)."""
     from benchmarks import bench_strategy
 
     out = tmp_path / "so.md"
@@ -94,6 +97,17 @@ def test_strategy_overhead_script(tmp_path):
     )
     md = out.read_text()
     assert "| **median over runs** |" in md and "Target 5" in md
+    return "report written"
+
+
+def background_jobs(items, tmp_path_factory) -> dict:
+    table = {"test_strategy_overhead_script": _strategy_overhead_script}
+    return background.jobs_of_tests(items, tmp_path_factory, table)
+
+
+@pytest.mark.timeout(1800)  # may wait for the background jobs queued before its own
+def test_strategy_overhead_script():
+    print(background.check("test_strategy_overhead_script"))
 
 
 def test_ablation_variants_agree_and_render():

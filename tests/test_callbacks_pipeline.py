@@ -12,6 +12,10 @@ import torch.nn.functional as F
 from distributed import run_distributed
 from engine_models import make_chunks
 
+# Timing: the measured bubble is compared with the simulator's within 2 points. Runs after every
+# background job (conftest.py).
+pytestmark = pytest.mark.timing
+
 PP = 4
 T_F, T_B = 0.060, 0.120  # per stage (all chunks of a rank), seconds
 NUM_LAYERS = 8

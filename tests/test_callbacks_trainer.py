@@ -17,6 +17,11 @@ from pathlib import Path
 import pytest
 from worlds import world
 
+# Timing: the measured bubble is compared with the simulator's within 2 points. Runs after every
+# background job (conftest.py).
+pytestmark = pytest.mark.timing
+
+
 PP, M, MB_SIZE, WIDTH, STEPS = 4, 8, 2, 16, 4
 T_F, T_B = 0.060, 0.120  # per stage, seconds: 8 layers, 2 per rank
 

@@ -2,8 +2,11 @@
 
 * plan prints the partition and schedule for the demo and the 1B GPU template, and builds the
   1B model without allocating it (meta device; the process's peak RSS stays far below 4 GB);
-* the same run started by Lightning's own launcher (devices=4) and by two torchrun "nodes" of two
-  processes on loopback writes the same per-step losses.
+* the README's demo at toy size under Lightning's own launcher (devices=4), launched once: it ends
+  with a final validation, a summary, a loss curve and a timeline PNG, its redirected output is
+  plain lines, and rank 0 samples from the merged stages; the same run started by
+  ``examples/torchrun_two_nodes.sh loopback`` (two torchrun "nodes" of two processes) writes the
+  same per-step losses.
 
 Every subprocess tree is killed on timeout (``jobs.kill_job``: torchrun puts its workers in their
 own sessions, so it kills the leader's descendants found in /proc as well as its process group).
@@ -12,33 +15,27 @@ own sessions, so it kills the leader's descendants found in /proc as well as its
 from __future__ import annotations
 
 import csv
+import functools
 import json
 import os
+import re
+import struct
 import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
+import background
 import pytest
 from jobs import free_port, kill_job, start_job
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = "configs/demo_cpu.yaml"
 GPU_TEMPLATE = "configs/gpt_1b_pp4_vpp2.yaml"
-
-# A small, quick version of the demo: same shape (pp=2 x dp=2, 4 processes), tiny model.
-TINY = [
-    "model.init_args.n_embd=32",
-    "model.init_args.n_layer=2",
-    "model.init_args.n_head=2",
-    "data.init_args.batch_size=8",
-    "data.init_args.block_size=32",
-    "data.init_args.max_chars=200000",
-    "trainer.max_steps=6",
-    "trainer.limit_val_batches=0",
-    "trainer.enable_progress_bar=false",
-    "logger=false",
-]
+#: pytest-timeout of a test that reads a background run (tests/background.py): it may wait for
+#: the jobs queued before it; each run keeps its own timeout (400 s) and is killed at its end.
+JOB_WAIT_TIMEOUT = 1800
 
 
 def _env() -> dict[str, str]:
@@ -59,12 +56,12 @@ def _env() -> dict[str, str]:
     return env
 
 
-def run_all(cmds: list[list[str]], timeout: float, logs: list[Path]) -> list[int]:
+def run_all(cmds: list[list[str]], timeout: float, logs: list[Path], cwd: Path = REPO) -> list[int]:
     """Run commands concurrently; on timeout kill every process tree and fail with the logs."""
     procs = []
     for cmd, log in zip(cmds, logs):
         with open(log, "w") as out:
-            procs.append(start_job(cmd, cwd=REPO, env=_env(), stdout=out))
+            procs.append(start_job(cmd, cwd=cwd, env=_env(), stdout=out))
     deadline = time.monotonic() + timeout
     try:
         for p in procs:
@@ -156,48 +153,188 @@ def test_meta_model_info_counts_without_storage():
 # ------------------------------------------------------------------------------ fit
 
 
-@pytest.mark.timeout(600)
-def test_fit_single_launcher_and_torchrun_two_nodes_give_same_losses(tmp_path):
-    single_csv = tmp_path / "single.csv"
-    single_log = tmp_path / "single.log"
-    sample = ["sample.enabled=true", "sample.max_new_tokens=24", "sample.prompt=import"]
-    cmd = [*CLI, "fit", DEMO, *TINY, *sample, "--losses-out", str(single_csv)]
-    assert run_all([cmd], timeout=240, logs=[single_log]) == [0], single_log.read_text()[-3000:]
-    single_out = single_log.read_text()
-    assert "world=4 (num_nodes=1 x devices=4), pp=2" in single_out
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    """(width, height) from a well-formed PNG's IHDR chunk; fails on anything else."""
+    data = path.read_bytes()
+    assert data[:8] == PNG_MAGIC, f"{path} is not a PNG"
+    assert data[12:16] == b"IHDR", f"{path}: no IHDR chunk first"
+    assert data[-8:-4] == b"IEND", f"{path}: truncated (no IEND chunk)"
+    return struct.unpack(">II", data[16:24])
+
+
+# The README's demo at toy size: its shape (pp=2 x dp=2, 4 processes, 1F1B), a tiny model.
+TOY = [
+    "model.init_args.n_embd=32",
+    "model.init_args.n_layer=2",
+    "model.init_args.n_head=2",
+    "data.init_args.batch_size=8",
+    "data.init_args.block_size=32",
+    "data.init_args.max_chars=200000",
+    "trainer.max_steps=9",
+    "trainer.log_every_n_steps=3",
+    "trainer.val_check_interval=4",  # validations at 4 and 8; the final one must add step 9
+    "trainer.limit_val_batches=2",
+]
+
+
+def _toy_run(tmp: Path) -> list[str]:
+    """TOY, with the run's files under ``tmp`` and its losses written to ``tmp/losses.csv``."""
+    root = tmp / "run"
+    return [
+        *TOY,
+        f"trainer.default_root_dir={root}",
+        f"logger.init_args.save_dir={root}",
+        "--losses-out",
+        str(tmp / "losses.csv"),
+    ]
+
+
+#: where each background run of this module writes (filled by background_jobs)
+_RUN_DIRS: dict[str, Path] = {}
+
+
+def _demo_single_launcher(tmp: Path) -> str:
+    """``lightning-pp fit configs/demo_cpu.yaml`` at toy size under Lightning's own launcher
+    (devices=4): its output in ``tmp/log.txt``, its files under ``tmp/run``."""
+    log = tmp / "log.txt"
+    sample = ["sample.prompt=import", "sample.max_new_tokens=30"]
+    cmd = [*CLI, "fit", str(REPO / DEMO), *_toy_run(tmp), *sample]
+    assert run_all([cmd], timeout=400, logs=[log], cwd=tmp) == [0], log.read_text()[-4000:]
+    return "exit 0"
+
+
+def _demo_torchrun_two_nodes(tmp: Path) -> str:
+    """The same run started by README's ``examples/torchrun_two_nodes.sh loopback CONFIG``:
+    two torchrun "nodes" of two processes each on this machine."""
+    log = tmp / "log.txt"
+    env_path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    cmd = [
+        "env", f"PATH={env_path}", f"MASTER_PORT={free_port()}",
+        "bash", str(REPO / "examples" / "torchrun_two_nodes.sh"), "loopback",
+        str(REPO / DEMO), *_toy_run(tmp), "sample.enabled=false",
+    ]  # fmt: skip
+    codes = run_all([cmd], timeout=400, logs=[log], cwd=tmp)
+    node1 = tmp / "torchrun_node1.log"  # the script's own log of the second "node"
+    tails = f"{log.read_text()[-3000:]}\n--- node 1\n" + (
+        node1.read_text()[-3000:] if node1.exists() else "(no log)"
+    )
+    assert codes == [0], tails
+    return "exit 0"
+
+
+_RUNS = {"demo-launcher": _demo_single_launcher, "demo-torchrun": _demo_torchrun_two_nodes}
+_RUNS_OF_TEST = {
+    "test_demo_at_toy_size_ends_with_validation_summary_and_pngs": ["demo-launcher"],
+    "test_sample_merges_both_stages_on_rank_0": ["demo-launcher"],
+    "test_torchrun_two_nodes_script_gives_the_single_launchers_losses": [
+        "demo-launcher",
+        "demo-torchrun",
+    ],
+}
+
+
+def background_jobs(items, tmp_path_factory) -> dict:
+    """The launched runs this session's selected tests read, started in the background
+    (tests/background.py): each test checks its run's verdict, then reads its files."""
+    wanted = {run for item in items for run in _RUNS_OF_TEST.get(item.originalname, [])}
+    jobs = {}
+    for name in sorted(wanted):
+        _RUN_DIRS[name] = tmp_path_factory.mktemp(name)
+        jobs[name] = functools.partial(_RUNS[name], _RUN_DIRS[name])
+    return jobs
+
+
+def _demo_run(name: str = "demo-launcher") -> SimpleNamespace:
+    background.check(name)
+    tmp = _RUN_DIRS[name]
+    return SimpleNamespace(
+        out=(tmp / "log.txt").read_text(), root=tmp / "run", losses=tmp / "losses.csv"
+    )
+
+
+@pytest.mark.timeout(JOB_WAIT_TIMEOUT)
+def test_demo_at_toy_size_ends_with_validation_summary_and_pngs():
+    demo_run = _demo_run()
+    out, root = demo_run.out, demo_run.root
+    assert "world=4 (num_nodes=1 x devices=4), pp=2" in out
+
+    # Redirected output: plain lines, at most one progress line per logging interval (3 steps)
+    assert "\r" not in out, "carriage-return progress frames in a redirected log"
+    # (the summary's own "step time ..." line is not a progress line)
+    progress = [line for line in out.splitlines() if re.match(r"step \d+/\d+ ", line)]
+    assert [line.split()[1] for line in progress] == ["3/9", "6/9", "9/9"], progress
+    assert "pipeline bubble" in progress[-1] and "tok/s" in progress[-1]
+
+    # The last step is validated, although val_check_interval does not land on it
+    validations = [line for line in out.splitlines() if line.startswith("validation at step")]
+    assert [line.split()[3].rstrip(":") for line in validations] == ["4", "8", "9"], validations
+
+    # The summary: printed, and written next to the logs
+    assert "lightning-pp: run summary" in out
+    jsons = list(root.rglob("summary.json"))
+    assert len(jsons) == 1, jsons
+    summary = json.loads(jsons[0].read_text())
+    assert jsons[0].parent == root / "csv" / "version_0"  # the CSV logger's directory
+    assert summary["steps"] == 9
+    assert [s for s, _ in summary["train_loss"]] == list(range(1, 10))
+    assert summary["val_loss"][-1][0] == 9
+    assert summary["tokens"] == 9 * 8 * 32 * 2  # steps x batch x block x dp
+    assert summary["schedule"]["name"] == "1f1b" and summary["schedule"]["pp"] == 2
+    assert summary["schedule"]["grid"].startswith("rank 0 | F0 F1")
+    bubble = summary["bubble"]
+    assert bubble["measured_steps"] == 9 and bubble["measured"] > 0 and bubble["expected"] > 0
+    assert set(bubble["ranks"]) == {"0", "1", "2", "3"}
+    assert all(v["compute_s"] > 0 for v in bubble["ranks"].values())
+    memory = {m["rank"]: m for m in summary["memory"]}
+    assert set(memory) == {0, 1, 2, 3}
+    for m in memory.values():
+        assert m["saved_bytes"] > 0
+        assert m["inflight"] == m["inflight_bound"] == 2 - m["pp_rank"]  # 1F1B: p - r
+    assert summary["sample"]["text"] and "after 9 steps" in summary["sample"]["caption"]
+    txt = Path(summary["summary_txt"]).read_text()
+    assert "bubble     measured" in txt and "schedule   1f1b" in txt and "sample" in txt
+
+    # Both pictures, well-formed and not trivial
+    for key, path in (("loss", summary["loss_curve"]), ("timeline", summary["timeline"]["png"])):
+        path = Path(path)
+        assert path.is_file(), f"{key}: {path}"
+        width, height = png_size(path)
+        assert width >= 400 and height >= 200, (key, width, height)
+        assert path.stat().st_size > 10_000, f"{key} PNG of {path.stat().st_size} bytes"
+    assert str(summary["loss_curve"]) in out and str(summary["timeline"]["png"]) in out
+
+
+@pytest.mark.timeout(JOB_WAIT_TIMEOUT)
+def test_sample_merges_both_stages_on_rank_0():
+    demo_run = _demo_run()
     # the sample is produced by merging both stages' weights on rank 0
-    assert "[lightning-pp] sample (prompt 'import'):" in single_out
-    text = single_out.split("[lightning-pp] sample (prompt 'import'):\n")[1][: 6 + 24]
-    assert text.startswith("import") and len(text) == 30, repr(text)
+    head = "[lightning-pp] sample (prompt 'import'):\n"
+    assert head in demo_run.out, demo_run.out[-3000:]
+    text = demo_run.out.split(head)[1][: 6 + 30]
+    assert text.startswith("import") and len(text) == 36, repr(text)
     assert all(c in "\t\n" or " " <= c <= "~" for c in text), repr(text)
 
-    port = free_port()
-    cmds, logs = [], []
-    for node_rank in (0, 1):
-        cmds.append(
-            [
-                sys.executable, "-m", "torch.distributed.run",
-                "--nnodes", "2", "--node_rank", str(node_rank), "--nproc_per_node", "2",
-                "--master_addr", "127.0.0.1", "--master_port", str(port),
-                "-m", "lightning_pp", "fit", DEMO, *TINY,
-                "sample.enabled=false", "--losses-out", str(tmp_path / f"node{node_rank}.csv"),
-            ]
-        )  # fmt: skip
-        logs.append(tmp_path / f"node{node_rank}.log")
-    codes = run_all(cmds, timeout=240, logs=logs)
-    assert codes == [0, 0], "\n".join(log.read_text()[-3000:] for log in logs)
-    node0 = logs[0].read_text()
-    assert "launched by torchrun (WORLD_SIZE=4 LOCAL_WORLD_SIZE=2): devices=2 num_nodes=2" in node0
-    assert not (tmp_path / "node1.csv").exists()  # only global rank 0 writes
 
-    ref = read_losses(single_csv)
-    got = read_losses(tmp_path / "node0.csv")
-    assert [s for s, _ in ref] == list(range(1, 7))
+@pytest.mark.timeout(JOB_WAIT_TIMEOUT)
+def test_torchrun_two_nodes_script_gives_the_single_launchers_losses():
+    """README's ``examples/torchrun_two_nodes.sh loopback CONFIG`` trains the demo to the same
+    per-step losses (1e-6) as Lightning's launcher with devices=4."""
+    demo_run = _demo_run()
+    nodes = _demo_run("demo-torchrun")
+    assert "launched by torchrun (WORLD_SIZE=4 LOCAL_WORLD_SIZE=2): devices=2 num_nodes=2" in (
+        nodes.out
+    )
+
+    ref = read_losses(demo_run.losses)
+    got = read_losses(nodes.losses)  # written by global rank 0 only
+    assert [s for s, _ in ref] == list(range(1, 10))
     assert [s for s, _ in got] == [s for s, _ in ref]
     for (step, a), (_, b) in zip(ref, got):
         assert abs(a - b) <= 1e-6 * abs(a), f"step {step}: single launcher {a} vs torchrun {b}"
     assert ref[-1][1] < ref[0][1], f"loss did not drop: {ref}"
-    json.dumps(ref)  # plain numbers
 
 
 @pytest.mark.parametrize("config", sorted(p.name for p in (REPO / "configs").glob("*.yaml")))

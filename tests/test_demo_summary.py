@@ -1,22 +1,16 @@
-"""The README's demo at toy size: it ends with a final validation, a summary, a loss curve and a
-timeline PNG, and its redirected output is plain lines (no carriage-return frames).
+"""The demo's run summary and progress line, unit-tested without processes: the helpers of
+:mod:`lightning_pp.callbacks.summary` and :mod:`lightning_pp.callbacks.progress`.
 
-Not a timing test: the run is tiny; only files and lines are checked. The helpers in
-:mod:`lightning_pp.callbacks.summary` and :mod:`lightning_pp.callbacks.progress` are unit-tested
-without processes.
+The README's demo itself runs at toy size, end to end, in ``test_cli_fit.py`` (one launch serves
+its summary and PNG checks and the two-launcher loss comparison).
 """
 
 from __future__ import annotations
 
-import json
-import re
-import struct
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from test_cli_fit import CLI, DEMO, run_all
 
 from lightning_pp.callbacks.progress import FinalValidation, Throughput, pipeline_bubble
 from lightning_pp.callbacks.summary import (
@@ -27,90 +21,6 @@ from lightning_pp.callbacks.summary import (
 )
 from lightning_pp.runtime.records import StepEvent, StepRecord
 from lightning_pp.schedules import build_schedule, simulate
-
-PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-
-
-def png_size(path: Path) -> tuple[int, int]:
-    """(width, height) from a well-formed PNG's IHDR chunk; fails on anything else."""
-    data = path.read_bytes()
-    assert data[:8] == PNG_MAGIC, f"{path} is not a PNG"
-    assert data[12:16] == b"IHDR", f"{path}: no IHDR chunk first"
-    assert data[-8:-4] == b"IEND", f"{path}: truncated (no IEND chunk)"
-    return struct.unpack(">II", data[16:24])
-
-
-# ------------------------------------------------------------------------------ end to end
-
-TOY = [
-    "model.init_args.n_embd=32",
-    "model.init_args.n_layer=2",
-    "model.init_args.n_head=2",
-    "data.init_args.batch_size=8",
-    "data.init_args.block_size=32",
-    "data.init_args.max_chars=200000",
-    "trainer.max_steps=9",
-    "trainer.log_every_n_steps=3",
-    "trainer.val_check_interval=4",  # validations at 4 and 8; the final one must add step 9
-    "trainer.limit_val_batches=2",
-    "sample.max_new_tokens=30",
-]
-
-
-@pytest.mark.timeout(600)
-def test_demo_at_toy_size_ends_with_validation_summary_and_pngs(tmp_path):
-    root = tmp_path / "run"
-    log = tmp_path / "log.txt"
-    overrides = [f"trainer.default_root_dir={root}", f"logger.init_args.save_dir={root}"]
-    cmd = [*CLI, "fit", DEMO, *TOY, *overrides]
-    assert run_all([cmd], timeout=400, logs=[log]) == [0], log.read_text()[-4000:]
-    out = log.read_text()
-
-    # Redirected output: plain lines, at most one progress line per logging interval (3 steps)
-    assert "\r" not in out, "carriage-return progress frames in a redirected log"
-    # (the summary's own "step time ..." line is not a progress line)
-    progress = [line for line in out.splitlines() if re.match(r"step \d+/\d+ ", line)]
-    assert [line.split()[1] for line in progress] == ["3/9", "6/9", "9/9"], progress
-    assert "pipeline bubble" in progress[-1] and "tok/s" in progress[-1]
-
-    # The last step is validated, although val_check_interval does not land on it
-    validations = [line for line in out.splitlines() if line.startswith("validation at step")]
-    assert [line.split()[3].rstrip(":") for line in validations] == ["4", "8", "9"], validations
-
-    # The summary: printed, and written next to the logs
-    assert "lightning-pp: run summary" in out
-    jsons = list(root.rglob("summary.json"))
-    assert len(jsons) == 1, jsons
-    summary = json.loads(jsons[0].read_text())
-    assert jsons[0].parent == root / "csv" / "version_0"  # the CSV logger's directory
-    assert summary["steps"] == 9
-    assert [s for s, _ in summary["train_loss"]] == list(range(1, 10))
-    assert summary["val_loss"][-1][0] == 9
-    assert summary["tokens"] == 9 * 8 * 32 * 2  # steps x batch x block x dp
-    assert summary["schedule"]["name"] == "1f1b" and summary["schedule"]["pp"] == 2
-    assert summary["schedule"]["grid"].startswith("rank 0 | F0 F1")
-    bubble = summary["bubble"]
-    assert bubble["measured_steps"] == 9 and bubble["measured"] > 0 and bubble["expected"] > 0
-    assert set(bubble["ranks"]) == {"0", "1", "2", "3"}
-    assert all(v["compute_s"] > 0 for v in bubble["ranks"].values())
-    memory = {m["rank"]: m for m in summary["memory"]}
-    assert set(memory) == {0, 1, 2, 3}
-    for m in memory.values():
-        assert m["saved_bytes"] > 0
-        assert m["inflight"] == m["inflight_bound"] == 2 - m["pp_rank"]  # 1F1B: p - r
-    assert summary["sample"]["text"] and "after 9 steps" in summary["sample"]["caption"]
-    txt = Path(summary["summary_txt"]).read_text()
-    assert "bubble     measured" in txt and "schedule   1f1b" in txt and "sample" in txt
-
-    # Both pictures, well-formed and not trivial
-    for key, path in (("loss", summary["loss_curve"]), ("timeline", summary["timeline"]["png"])):
-        path = Path(path)
-        assert path.is_file(), f"{key}: {path}"
-        width, height = png_size(path)
-        assert width >= 400 and height >= 200, (key, width, height)
-        assert path.stat().st_size > 10_000, f"{key} PNG of {path.stat().st_size} bytes"
-    assert str(summary["loss_curve"]) in out and str(summary["timeline"]["png"]) in out
-
 
 # ------------------------------------------------------------------------------ units
 

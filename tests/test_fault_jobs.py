@@ -14,7 +14,10 @@
 * The same as SLURM tasks, every task signalled: rank 0 runs ``scontrol requeue <job id>``
   (a fake ``scontrol`` on PATH records its arguments).
 
-Every job runs in its own session; whatever outlives a test is killed (tests/jobs.py).
+Every job runs in its own session; whatever outlives a test is killed (tests/jobs.py). Every
+job here only needs its own output checked, so all of them run in the background while the
+in-process tests run (tests/background.py; ``background_jobs`` below); the tests read the
+verdicts.
 """
 
 from __future__ import annotations
@@ -26,8 +29,10 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
+import background
 import pytest
 from jobs import descendants, free_port, kill_job, start_job
 
@@ -119,55 +124,10 @@ class Job:
                 p.wait()
 
 
-@pytest.fixture
-def job(tmp_path):
-    j = Job(tmp_path)
-    yield j
-    j.kill()
-
-
-#: jobs of the fault matrix that run at once. A case spends most of its time waiting (for the
-#: ranks to import and train two batches, then for the watchdog); running a few side by side
-#: fills those waits. The bounds each case checks run from its own fault.
-PARALLEL_JOBS = 3
-
-#: pytest-timeout for the first matrix test, whose setup runs the whole matrix: the suite's
-#: default (300 s) bounds one job, not 18 of them on a loaded 2-core machine (6 rounds of 3).
-#: Each job still has its own bounds (its start, the watchdog + 10 s) and is killed at the end.
-MATRIX_TIMEOUT = 1200
-
-
-@pytest.fixture(scope="module")
-def fault_matrix(request, tmp_path_factory) -> dict[str, str]:
-    """The killed/stopped-rank cases this session selected (a middle rank, rank 0),
-    ``PARALLEL_JOBS`` jobs at a time; case id -> ``"ok: <timing>"`` or the failure (each job
-    killed at the end, whatever happened). ``-k SIGSTOP`` runs only the SIGSTOP jobs."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    selected = {
-        f"{_MATRIX_TESTS[item.originalname]}-{item.callspec.params['case_id']}"
-        for item in request.session.items
-        if getattr(item, "originalname", None) in _MATRIX_TESTS
-    }
-    work: dict[str, object] = {}
-    for (launcher, sig, world, victim), cid in zip(CASES, MIDDLE_IDS):
-        work[f"middle-{cid}"] = (_middle_rank_case, (launcher, sig, world, victim))
-    for case, cid in zip(RANK0_CASES, RANK0_IDS):
-        work[f"rank0-{cid}"] = (_rank0_case, case)
-    work = {name: w for name, w in work.items() if name in selected}
-
-    def run(name: str) -> str:
-        fn, args = work[name]
-        job = Job(tmp_path_factory.mktemp(name))
-        try:
-            return "ok: " + fn(job, *args)
-        except BaseException as e:  # pytest.fail raises an OutcomeException: a BaseException
-            return f"{type(e).__name__}: {e}"
-        finally:
-            job.kill()
-
-    with ThreadPoolExecutor(PARALLEL_JOBS) as pool:
-        return dict(zip(work, pool.map(run, work)))
+#: pytest-timeout of a test that reads a background job's verdict: it may wait for the jobs
+#: queued before its own (tests/background.py runs two at a time) on a loaded 2-core machine.
+#: Each job keeps its own bounds (its start, the watchdog + 10 s) and is killed at its end.
+JOB_WAIT_TIMEOUT = 1800
 
 
 def _launch_lightning(job: Job, pp: int) -> None:
@@ -225,12 +185,10 @@ def _middle_rank_case(job: Job, launcher: str, sig: signal.Signals, world: int, 
 MIDDLE_IDS = ["lightning-SIGKILL", "lightning-SIGSTOP", "torchrun-SIGKILL", "torchrun-SIGSTOP"]
 
 
-@pytest.mark.timeout(MATRIX_TIMEOUT)
+@pytest.mark.timeout(JOB_WAIT_TIMEOUT)
 @pytest.mark.parametrize("case_id", MIDDLE_IDS)
-def test_a_killed_or_stopped_rank_ends_the_job_and_is_named(fault_matrix, case_id):
-    verdict = fault_matrix[f"middle-{case_id}"]
-    assert verdict.startswith("ok: "), verdict
-    print(verdict)
+def test_a_killed_or_stopped_rank_ends_the_job_and_is_named(case_id):
+    print(background.check(f"middle-{case_id}"))
 
 
 def _assert_sigterm_saved(out: str, tmp: Path, who: str = "") -> Path:
@@ -255,21 +213,24 @@ def _sigterm_job(job: Job, *options: str) -> str:
     return out
 
 
-def test_sigterm_saves_a_checkpoint_and_exits_non_zero(job):
+def _sigterm_all(job: Job) -> str:
     out = _sigterm_job(job)
     # rank 0 forwards the signal to the ranks it launched, as Lightning's launcher does
     _assert_sigterm_saved(out, job.tmp, "all 3 ranks")
     assert "requeue" not in out  # not a SLURM job
+    return "saved and exited 143"
 
 
-def test_sigterm_to_one_rank_names_that_rank(job):
+def _sigterm_one_rank(job: Job) -> str:
     # a scheduler that signals rank 2 only: the line names rank 2, not the rank that prints it
     out = _sigterm_job(job, "sigterm_rank=2")
     _assert_sigterm_saved(out, job.tmp, "[lightning-pp] rank 2")
     assert "rank 0 received" not in out and "all 3 ranks" not in out, out[-6000:]
+    return "rank 2 named; saved and exited 143"
 
 
-def test_slurm_sigterm_requeues_the_job_after_saving(job, tmp_path):
+def _slurm_sigterm_requeue(job: Job) -> str:
+    tmp_path = job.tmp
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     calls = tmp_path / "scontrol.calls"
@@ -303,25 +264,41 @@ def test_slurm_sigterm_requeues_the_job_after_saving(job, tmp_path):
     _assert_sigterm_saved(out, tmp_path, f"all {world} ranks")
     assert calls.read_text().splitlines() == ["requeue 4242"]  # once, by rank 0, after saving
     assert "requeued SLURM job 4242" in out
+    return "saved, requeued once, every task exited 143"
+
+
+@pytest.mark.timeout(JOB_WAIT_TIMEOUT)
+def test_sigterm_saves_a_checkpoint_and_exits_non_zero():
+    print(background.check("sigterm-all"))
+
+
+@pytest.mark.timeout(JOB_WAIT_TIMEOUT)
+def test_sigterm_to_one_rank_names_that_rank():
+    print(background.check("sigterm-one-rank"))
+
+
+@pytest.mark.timeout(JOB_WAIT_TIMEOUT)
+def test_slurm_sigterm_requeues_the_job_after_saving():
+    print(background.check("sigterm-slurm"))
 
 
 # ---- rank 0 stopped or killed --------------------------------------------------------------------
 
 # (launcher, signal, when, world): "when" is a schedule (the signal comes during training) or
-# "save" (rank 0 signals itself in the middle of a checkpoint save).
+# "save" (rank 0 signals itself in the middle of a checkpoint save). Issue 35 asked for a stopped
+# and a killed rank 0 under each launcher, and a frozen rank 0 during a save. Each launcher meets
+# each signal once during training, the schedule alternating so that both 1f1b and ZB-V meet
+# both signals; the save is frozen under Lightning's launcher, where rank 0 is the launching
+# process (the hard case: before lightning-pp's store process it also hosted the job's store).
+# What ends the job is the store host's loss and the survivors' heartbeat watch, which depend on
+# the launcher and the signal, not on the schedule: the full launcher x signal x {1f1b, zbv,
+# save} product (14 jobs of 2-3 processes importing Lightning) repeated that at 7 more starts.
 RANK0_CASES = [
     ("lightning", "SIGSTOP", "1f1b", 3),
-    ("lightning", "SIGKILL", "1f1b", 3),
-    ("lightning", "SIGSTOP", "zbv", 2),
     ("lightning", "SIGKILL", "zbv", 2),
     ("lightning", "SIGSTOP", "save", 2),
-    ("lightning", "SIGKILL", "save", 2),
-    ("torchrun", "SIGSTOP", "1f1b", 2),
-    ("torchrun", "SIGKILL", "1f1b", 2),
     ("torchrun", "SIGSTOP", "zbv", 2),
-    ("torchrun", "SIGKILL", "zbv", 2),
-    ("torchrun", "SIGSTOP", "save", 2),
-    ("torchrun", "SIGKILL", "save", 2),
+    ("torchrun", "SIGKILL", "1f1b", 2),
     ("slurm", "SIGSTOP", "zbv", 2),
     ("slurm", "SIGKILL", "1f1b", 2),
 ]
@@ -418,16 +395,57 @@ def _rank0_case(job: Job, launcher: str, signame: str, when: str, world: int) ->
 RANK0_IDS = [f"{launcher}-{sig}-{when}" for launcher, sig, when, _ in RANK0_CASES]
 
 
-@pytest.mark.timeout(MATRIX_TIMEOUT)
+@pytest.mark.timeout(JOB_WAIT_TIMEOUT)
 @pytest.mark.parametrize("case_id", RANK0_IDS)
-def test_a_stopped_or_killed_rank_0_ends_the_job_and_is_named(fault_matrix, case_id):
-    verdict = fault_matrix[f"rank0-{case_id}"]
-    assert verdict.startswith("ok: "), verdict
-    print(verdict)
+def test_a_stopped_or_killed_rank_0_ends_the_job_and_is_named(case_id):
+    print(background.check(f"rank0-{case_id}"))
 
 
-#: the tests that read the matrix, and the prefix of their cases in it
+# ---- the background jobs ------------------------------------------------------------------------
+
+#: the tests that read a case of the matrix, and the prefix of their cases' job names
 _MATRIX_TESTS = {
     "test_a_killed_or_stopped_rank_ends_the_job_and_is_named": "middle",
     "test_a_stopped_or_killed_rank_0_ends_the_job_and_is_named": "rank0",
 }
+#: the other tests, and their job's name
+_JOB_TESTS = {
+    "test_sigterm_saves_a_checkpoint_and_exits_non_zero": "sigterm-all",
+    "test_sigterm_to_one_rank_names_that_rank": "sigterm-one-rank",
+    "test_slurm_sigterm_requeues_the_job_after_saving": "sigterm-slurm",
+}
+
+
+def _all_jobs() -> dict[str, tuple[Callable[..., str], tuple]]:
+    jobs: dict[str, tuple[Callable[..., str], tuple]] = {}
+    for (launcher, sig, world, victim), cid in zip(CASES, MIDDLE_IDS):
+        jobs[f"middle-{cid}"] = (_middle_rank_case, (launcher, sig, world, victim))
+    for case, cid in zip(RANK0_CASES, RANK0_IDS):
+        jobs[f"rank0-{cid}"] = (_rank0_case, case)
+    jobs["sigterm-all"] = (_sigterm_all, ())
+    jobs["sigterm-one-rank"] = (_sigterm_one_rank, ())
+    jobs["sigterm-slurm"] = (_slurm_sigterm_requeue, ())
+    return jobs
+
+
+def background_jobs(items, tmp_path_factory) -> dict[str, Callable[[], str]]:
+    """The jobs that this session's selected tests of this module read (tests/background.py)."""
+    wanted = set()
+    for item in items:
+        name = getattr(item, "originalname", "")
+        if name in _MATRIX_TESTS:
+            wanted.add(f"{_MATRIX_TESTS[name]}-{item.callspec.params['case_id']}")
+        elif name in _JOB_TESTS:
+            wanted.add(_JOB_TESTS[name])
+
+    def bind(name: str, fn: Callable[..., str], args: tuple) -> Callable[[], str]:
+        def run() -> str:
+            job = Job(tmp_path_factory.mktemp(name))
+            try:
+                return fn(job, *args)
+            finally:
+                job.kill()
+
+        return run
+
+    return {name: bind(name, *spec) for name, spec in _all_jobs().items() if name in wanted}

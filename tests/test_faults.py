@@ -15,7 +15,9 @@ from __future__ import annotations
 import os
 import time
 from datetime import timedelta
+from pathlib import Path
 
+import background
 import pytest
 import torch
 import torch.distributed as dist
@@ -28,6 +30,11 @@ from lightning_pp.runtime.engine import PipelineEngine, PipelineStepError
 from lightning_pp.runtime.failure import FailureMonitor, PipelineAborted, report_failure
 from lightning_pp.runtime.numerics import NonFiniteError
 from lightning_pp.schedules import Action, Op, Schedule, build_schedule
+
+# Timing: a watched wait must end seconds before the stuck rank returns. Runs after every background
+# job (conftest.py).
+pytestmark = pytest.mark.timing
+
 
 WORLD = 3  # pp=3: rank 0 first, rank 1 middle, rank 2 last
 M = 4  # microbatches
@@ -431,7 +438,7 @@ def _trainer_job_env(tmp_path) -> dict[str, str]:
     }
 
 
-def test_trainer_job_ends_when_a_callback_raises_on_one_rank(tmp_path):
+def _callback_raises_on_one_rank(tmp_path: Path) -> str:
     import sys
 
     from jobs import kill_group, run_job, wait_group_gone
@@ -456,13 +463,10 @@ def test_trainer_job_ends_when_a_callback_raises_on_one_rank(tmp_path):
         "because rank 1 failed first [rank 1: Lightning hook or step: Injected]" in ln
         for ln in aborted
     )
+    return f"ended with exit {result.returncode}, {len(aborted)} ranks named rank 1"
 
 
-def test_trainer_job_prints_the_cause_once(tmp_path):
-    """Issue 13 item 8: a layer raising on rank 1 of 3 printed ~350 lines: three chained
-    tracebacks from rank 1 and a ~100-line traceback from each of ranks 0 and 2 ending in their
-    PipelineAborted. The cause must show once (rank 1's traceback); every other rank says one
-    ``PipelineAborted`` line naming rank 1."""
+def _cause_printed_once(tmp_path: Path) -> str:
     import sys
 
     from jobs import run_job
@@ -485,6 +489,33 @@ def test_trainer_job_prints_the_cause_once(tmp_path):
         assert len(said) == 1, f"rank {r} printed {len(said)} lines:\n" + "\n".join(said[:40])
         assert f"PipelineAborted: rank {r}: " in said[0], said[0]
         assert "because rank 1 failed first" in said[0], said[0]
+    return "one traceback (rank 1), one line from each other rank"
+
+
+_TRAINER_JOBS = {
+    "test_trainer_job_ends_when_a_callback_raises_on_one_rank": _callback_raises_on_one_rank,
+    "test_trainer_job_prints_the_cause_once": _cause_printed_once,
+}
+
+
+def background_jobs(items, tmp_path_factory) -> dict:
+    """The two launched Trainer jobs run in the background while the in-process tests run
+    (tests/background.py); their tests below read the verdicts."""
+    return background.jobs_of_tests(items, tmp_path_factory, _TRAINER_JOBS)
+
+
+@pytest.mark.timeout(1800)  # may wait for the background jobs queued before it
+def test_trainer_job_ends_when_a_callback_raises_on_one_rank():
+    print(background.check("test_trainer_job_ends_when_a_callback_raises_on_one_rank"))
+
+
+@pytest.mark.timeout(1800)
+def test_trainer_job_prints_the_cause_once():
+    """Issue 13 item 8: a layer raising on rank 1 of 3 printed ~350 lines: three chained
+    tracebacks from rank 1 and a ~100-line traceback from each of ranks 0 and 2 ending in their
+    PipelineAborted. The cause must show once (rank 1's traceback); every other rank says one
+    ``PipelineAborted`` line naming rank 1."""
+    print(background.check("test_trainer_job_prints_the_cause_once"))
 
 
 # ---- collectives outside the pipeline: data-parallel, tied weights, Lightning's -----------------

@@ -16,6 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import background
 import pytest
 
 pytestmark = pytest.mark.quick  # the quick tier: pytest -m quick
@@ -249,7 +250,7 @@ def test_no_import_cycle_among_project_modules():
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
 
-def test_every_module_imports_in_dependency_order():
+def _imports_in_dependency_order(tmp: Path) -> str:
     # A fresh interpreter: modules already imported by other tests would hide an order problem.
     order = dependency_order(import_graph())
     script = (
@@ -262,6 +263,19 @@ def test_every_module_imports_in_dependency_order():
         [sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout.strip()
+
+
+def background_jobs(items, tmp_path_factory) -> dict:
+    """The fresh interpreter (it imports every module, Lightning included) runs in the
+    background while the in-process tests run (tests/background.py)."""
+    table = {"test_every_module_imports_in_dependency_order": _imports_in_dependency_order}
+    return background.jobs_of_tests(items, tmp_path_factory, table)
+
+
+@pytest.mark.timeout(1800)  # may wait for the background jobs queued before its own
+def test_every_module_imports_in_dependency_order():
+    print(background.check("test_every_module_imports_in_dependency_order"))
 
 
 def test_schedule_command_and_plan_start_without_torch():

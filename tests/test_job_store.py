@@ -36,6 +36,10 @@ from lightning_pp.runtime.local_process import pid_namespace, process_state
 from lightning_pp.runtime.processes import consequence_line
 from lightning_pp.runtime.store_host import StoreHost, _serve_until_ranks_are_over, connect_store
 
+# Timing: watchers must act within sub-second windows. Runs after every background job
+# (conftest.py).
+pytestmark = pytest.mark.timing
+
 
 def _beat(pid: int, n: int = 1, host: str | None = None, **extra: object) -> str:
     value = {"n": n, "host": host or socket.gethostname(), "pid": pid, "pidns": pid_namespace()}

@@ -1,7 +1,9 @@
 """LightningCLI drives PipelineStrategy (issue 13, item 15): the `cli` extra, and a real run.
 
-The run is ``LightningCLI(GPT, Data)`` (tests/scripts/cli_run.py) on 2 processes started by
-Lightning's launcher, with the strategy chosen on the command line by class path.
+The run is ``LightningCLI(GPT, Data)`` (tests/scripts/cli_run.py) on the 2 ranks of a Trainer
+world of its own (tests/worlds.py: forked ranks, as torchrun would run them), with the strategy
+chosen on the command line by class path. Lightning's launcher has tests of its own
+(test_strategy, test_cli_fit).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "tests" / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 
-from jobs import free_port, run_job  # noqa: E402
+from worlds import World, script_main  # noqa: E402
 
 # Lightning's own requirement for LightningCLI (lightning.pytorch.cli)
 REQUIREMENT = "jsonargparse[signatures]>=4.27.7"
@@ -37,13 +39,17 @@ def test_cli_extra_installs_lightning_cli_requirement():
     )
 
 
+def _cli_case(rank: int, size: int, out: str, argv: list[str]) -> None:
+    """On each rank of the world: LightningCLI's command line, as torchrun would run it."""
+    os.environ["CLI_RUN_OUT"] = out
+    script_main(rank, size, "cli_run", argv)
+
+
 def test_lightning_cli_trains_with_pipeline_strategy(tmp_path):
     pytest.importorskip("jsonargparse", reason="pip install -e '.[cli]'")
     out = tmp_path / "out"
     out.mkdir()
-    cmd = [
-        sys.executable,
-        str(SCRIPTS / "cli_run.py"),
+    argv = [
         "fit",
         "--trainer.strategy=lightning_pp.PipelineStrategy",
         "--trainer.strategy.pp=2",
@@ -65,16 +71,11 @@ def test_lightning_cli_trains_with_pipeline_strategy(tmp_path):
         "--data.dp=1",
         "--data.accumulate=1",
     ]
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "PYTHONUNBUFFERED": "1",
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(free_port()),
-        "CLI_RUN_OUT": str(out),
-    }
-    result = run_job(cmd, env=env, cwd=ROOT, timeout=300)
-    assert not result.timed_out and result.returncode == 0, result.describe(6000)
+    own = World("trainer", 2)  # a Trainer world of its own: LightningCLI starts its own run
+    try:
+        own.run(_cli_case, str(out), argv, timeout=300)
+    finally:
+        own.close()
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     assert [d["strategy"] for d in ranks] == [
         "lightning_pp.strategy.pipeline_strategy.PipelineStrategy"

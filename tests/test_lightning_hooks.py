@@ -1,13 +1,13 @@
 """A Lightning user's own module under PipelineStrategy: logging, hooks, rebuilds, the summary.
 
-One 2-process job (Lightning's launcher, tests/scripts/hooks_run.py) runs every scenario; the
-tests read its per-rank JSON. Issue 13, items 1, 2, 3 and 14.
+One 2-rank Trainer world of its own (tests/worlds.py: forked ranks, no launcher) runs every
+scenario of tests/scripts/hooks_run.py; the tests read its per-rank JSON. Issue 13, items 1, 2,
+3 and 14.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -17,24 +17,21 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "tests" / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 
-from jobs import free_port, run_job  # noqa: E402
+from worlds import World, script_main  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def hooks(tmp_path_factory) -> dict:
+    """Every scenario of tests/scripts/hooks_run.py on a 2-rank Trainer world of its own (one
+    scenario ends in an error on every rank, which leaves the world's store marked: the world is
+    closed afterwards, as every case meant to fail is)."""
     out = tmp_path_factory.mktemp("hooks")
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "PYTHONUNBUFFERED": "1",
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(free_port()),
-    }
-    cmd = [sys.executable, str(SCRIPTS / "hooks_run.py"), "--out", str(out)]
-    result = run_job(cmd, env=env, cwd=ROOT, timeout=400)
-    if result.timed_out:
-        pytest.fail(result.describe(6000))
-    data: dict = {"job": result}
+    own = World("trainer", 2)
+    try:
+        own.run(script_main, "hooks_run", ["--out", str(out)], timeout=400)
+    finally:
+        own.close()
+    data: dict = {"out": out}
     for path in sorted(out.glob("*.json")):
         data[path.stem] = json.loads(path.read_text())
     return data
@@ -42,7 +39,7 @@ def hooks(tmp_path_factory) -> dict:
 
 def _ranks(hooks: dict, scenario: str) -> list[dict]:
     missing = [r for r in range(2) if f"{scenario}.rank{r}" not in hooks]
-    assert not missing, f"{scenario}: no result from ranks {missing}\n{hooks['job'].describe()}"
+    assert not missing, f"{scenario}: no result from ranks {missing} in {hooks['out']}"
     return [hooks[f"{scenario}.rank{r}"] for r in range(2)]
 
 

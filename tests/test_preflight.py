@@ -10,12 +10,14 @@ checks the real command line (exit code 2, one error line, no traceback, no rank
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
+import background
 import pytest
 import torch
 from torch import nn
@@ -313,23 +315,54 @@ def test_a_class_of_the_wrong_kind_is_not_called(tmp_path, monkeypatch, capsys):
 
 
 # ---------------------------------------------------------------- the launched command line
-@pytest.mark.parametrize(
-    "overrides", [["strategy.split=model.wte"], ["strategy.partition=[1,1]"]], ids=str
-)
-def test_launched_fit_refuses_before_any_rank(overrides, split_run):
+LAUNCHED_REFUSALS = {
+    "split": ["strategy.split=model.wte"],
+    "partition": ["strategy.partition=[1,1]"],
+}
+
+
+def _launched_refusal(overrides: list[str], tmp: Path) -> str:
     """The real `lightning-pp fit` of a 2-process run: exit 2, one line, no rank started (a rank
     would print Lightning's banner or a traceback; none does)."""
+    (tmp / "split_models_mod.py").write_text(SPLIT_MODULE)
+    path = tmp / "split.yaml"
+    path.write_text(textwrap.dedent(SPLIT_RUN))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp), str(REPO)])}
     proc = subprocess.run(
-        [sys.executable, "-m", "lightning_pp", "fit", str(split_run), *overrides],
+        [sys.executable, "-m", "lightning_pp", "fit", str(path), *overrides],
         capture_output=True,
         text=True,
         timeout=300,
-        cwd=split_run.parent,
+        cwd=tmp,
+        env=env,
     )
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("lightning-pp fit: error: "), proc.stderr
     assert proc.stdout == "" and "Traceback" not in proc.stderr
+    return lines[0]
+
+
+def background_jobs(items, tmp_path_factory) -> dict:
+    """Each launched command (a fresh interpreter importing Lightning) runs in the background
+    while the in-process tests run (tests/background.py); the tests read the verdicts."""
+    wanted = {
+        item.callspec.params["case"]
+        for item in items
+        if getattr(item, "originalname", "") == "test_launched_fit_refuses_before_any_rank"
+    }
+    return {
+        f"launched-refusal-{case}": functools.partial(
+            _launched_refusal, LAUNCHED_REFUSALS[case], tmp_path_factory.mktemp(f"refusal-{case}")
+        )
+        for case in sorted(wanted)
+    }
+
+
+@pytest.mark.timeout(1800)  # may wait for the background jobs queued before its own
+@pytest.mark.parametrize("case", sorted(LAUNCHED_REFUSALS))
+def test_launched_fit_refuses_before_any_rank(case):
+    print(background.check(f"launched-refusal-{case}"))
 
 
 # ---------------------------------------------------------------- the strategy's own checks

@@ -5,6 +5,8 @@
 
 ``Trainer(devices=2)`` re-runs this command line for rank 1 (Lightning's launcher), and each
 rank writes ``$CLI_RUN_OUT/rank<r>.json``: its strategy, pipeline rank and logged losses.
+tests/test_lightning_cli.py runs ``main()`` on each rank of a 2-rank Trainer world instead
+(tests/worlds.py, as torchrun would run it: no launcher, no fresh interpreters).
 """
 
 from __future__ import annotations
@@ -45,5 +47,9 @@ class Report(Callback):
         )
 
 
-if __name__ == "__main__":
+def main() -> None:
     LightningCLI(GPT, Data, trainer_defaults={"callbacks": [Report()]})
+
+
+if __name__ == "__main__":
+    main()

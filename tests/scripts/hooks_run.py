@@ -1,8 +1,9 @@
 """What a Lightning user does with their own module, under PipelineStrategy(pp=2) on 2 processes.
 
-Launched by tests/test_lightning_hooks.py as ``python tests/scripts/hooks_run.py --out DIR``;
-``Trainer(devices=2)`` re-runs it for rank 1 (Lightning's launcher). One process group serves
-every scenario, in order, each writing ``DIR/<scenario>.rank<r>.json``:
+Run by tests/test_lightning_hooks.py in a 2-rank Trainer world of its own (tests/worlds.py:
+``main()`` on each rank, as torchrun would run it); by hand, ``python tests/scripts/hooks_run.py
+--out DIR`` (``Trainer(devices=2)`` re-runs it for rank 1, Lightning's launcher). One process
+group serves every scenario, in order, each writing ``DIR/<scenario>.rank<r>.json``:
 
 ``fit_validate``: a module that logs from ``pipeline_eval_step`` (with and without
 ``sync_dist``, ``log_dict``), overrides ``validation_step`` (never called under the strategy) and
@@ -144,7 +145,8 @@ def train_log(out: str) -> None:
     dump(os.path.join(out, f"train_log.rank{rank}.json"), {"error": error})
     # The run was aborted: a normal interpreter exit would tear down a process group with
     # abandoned transfers, which can block. Rank 0 (the launcher of rank 1) waits for rank 1's
-    # result, then both leave at once.
+    # result; run as a script, both then leave at once (os._exit below); in a test world of
+    # its own (tests/test_lightning_hooks.py), the world is closed, killing both.
     if rank == 0:
         deadline = time.monotonic() + 60
         while not os.path.exists(os.path.join(out, "train_log.rank1.json")):
@@ -153,7 +155,6 @@ def train_log(out: str) -> None:
             time.sleep(0.1)
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
 
 
 def main() -> None:
@@ -167,3 +168,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    os._exit(0)
