@@ -12,6 +12,7 @@ Three checks read every module's imports (the AST, nothing is imported):
 from __future__ import annotations
 
 import ast
+import functools
 import subprocess
 import sys
 from pathlib import Path
@@ -250,9 +251,8 @@ def test_no_import_cycle_among_project_modules():
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
 
-def _imports_in_dependency_order(tmp: Path) -> str:
+def _imports_in_dependency_order(order: list[str]) -> str:
     # A fresh interpreter: modules already imported by other tests would hide an order problem.
-    order = dependency_order(import_graph())
     script = (
         "import importlib, sys\n"
         f"for name in {order!r}:\n"
@@ -268,9 +268,15 @@ def _imports_in_dependency_order(tmp: Path) -> str:
 
 def background_jobs(items, tmp_path_factory) -> dict:
     """The fresh interpreter (it imports every module, Lightning included) runs in the
-    background while the in-process tests run (tests/background.py)."""
-    table = {"test_every_module_imports_in_dependency_order": _imports_in_dependency_order}
-    return background.jobs_of_tests(items, tmp_path_factory, table)
+    background while the in-process tests run (tests/background.py). The order is computed
+    here, in the main thread: CPython 3.11's ast constructor is not safe to run in a second
+    thread while pytest's assertion rewriting parses modules (``SystemError: AST constructor
+    recursion depth mismatch``)."""
+    name = "test_every_module_imports_in_dependency_order"
+    if not any(getattr(item, "originalname", "") == name for item in items):
+        return {}
+    order = dependency_order(import_graph())
+    return {name: functools.partial(_imports_in_dependency_order, order)}
 
 
 @pytest.mark.timeout(1800)  # may wait for the background jobs queued before its own
