@@ -46,6 +46,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from .._lightning_compat import configure_optimizers_and_schedulers, load_file
+from .errors import CheckpointError  # re-exported: older code imports it from here
 
 __all__ = [
     "CheckpointError",
@@ -74,10 +75,6 @@ VERSION = 1
 INDEX_FILE = "index.json"
 META_FILE = "meta.pt"
 _PARTIAL = ".partial-"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint directory is missing, incomplete, or does not match the model."""
 
 
 # ---------------------------------------------------------------------------------- naming
