@@ -40,6 +40,7 @@ __all__ = [
     "optimizer_state_by_name",
     "param_names",
     "positional_optimizer_state",
+    "same_hyper",
     "tied_canonical_names",
 ]
 
@@ -134,7 +135,7 @@ def positional_optimizer_state(
                 theirs = saved["group_of"][name]
                 if hyper is None:
                     hyper, first = theirs, name
-                elif not _same_hyper(hyper, theirs):
+                elif not same_hyper(hyper, theirs):
                     raise CheckpointError(
                         f"{what}: param group {len(groups)} holds {first!r} and {name!r}, which "
                         f"were saved in groups with different hyperparameters "
@@ -163,7 +164,7 @@ def _same_value(a: Any, b: Any) -> bool:
     return a == b
 
 
-def _same_hyper(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+def same_hyper(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
     return a.keys() == b.keys() and all(_same_value(a[k], b[k]) for k in a)
 
 
