@@ -16,6 +16,7 @@ marker; neither leaves a complete-looking directory, and the previous checkpoint
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -152,7 +153,9 @@ def _compare(model: nn.Module, opt: torch.optim.Optimizer) -> list[str]:
             got = opt.state.get(p, {})
             if set(got) != set(want) or not all(torch.equal(got[k], want[k]) for k in want):
                 diffs.append(f"optimizer state of {name}")
-            ref_group = next(g for g in ref_opt.param_groups if any(q is ref_p for q in g["params"]))
+            ref_group = next(
+                g for g in ref_opt.param_groups if any(q is ref_p for q in g["params"])
+            )
             if group["weight_decay"] != ref_group["weight_decay"]:
                 diffs.append(f"weight_decay of {name}")
     return diffs
@@ -240,7 +243,7 @@ def test_one_process_consolidates_and_loads(saved):
     ref, _ = _reference()
     for name in ("pp2dp2", "zbv_pp4"):
         state = consolidated_dcp_state_dict(root / f"{name}.ckpt")
-        assert list(state) == list(ref.state_dict())  # every name, in the module's order
+        assert sorted(state) == sorted(ref.state_dict())  # every name, tied members too
         assert all(torch.equal(state[k], v) for k, v in ref.state_dict().items())
         assert state["layers.7.weight"] is state["layers.0.weight"]
         # the unpipelined module and its optimizer, without a process group
@@ -300,7 +303,7 @@ def _die_during(rank: int, size: int, path: str, where: str) -> None:
     rank 0 after the metadata, before the completion marker."""
     import torch.distributed.checkpoint as dcp
 
-    import lightning_pp.checkpoint.dcp_format as fmt
+    import lightning_pp.checkpoint.dcp_save as save_mod
 
     _save(rank, size, path, {"schedule": "1f1b", "pp": 2})
     if where == "data" and rank == 1:
@@ -316,7 +319,7 @@ def _die_during(rank: int, size: int, path: str, where: str) -> None:
         def write_manifest(directory, extra=None):
             os._exit(17)
 
-        fmt.write_manifest = write_manifest
+        save_mod.write_manifest = write_manifest
     _save(rank, size, path, {"schedule": "1f1b", "pp": 2}, step=99)
 
 
@@ -340,3 +343,56 @@ def test_a_killed_save_never_looks_complete(tmp_path, where):
     ref, _ = _reference()
     state = consolidated_dcp_state_dict(path)
     assert all(torch.equal(state[k], v) for k, v in ref.state_dict().items())
+
+
+# ------------------------------------------------------------------------- refusals, one process
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory) -> Path:
+    """The reference saved by one process (no process group): the unpipelined module."""
+    path = tmp_path_factory.mktemp("one") / "whole.ckpt"
+    _save(0, 1, str(path), {"schedule": "1f1b", "pp": 1})
+    return path
+
+
+def _refused(path: Path, model: nn.Module, opt: torch.optim.Optimizer, match: str) -> None:
+    """The load raises ``match`` and leaves the module and its optimizer untouched."""
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(CheckpointError, match=match):
+        load_dcp_checkpoint(path, model, canonical=_canonical(model), optimizers=[opt])
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert not opt.state
+
+
+def test_refused_before_anything_changes(whole, tmp_path):
+    model, opt = _fresh({"schedule": "1f1b", "pp": 1}, 0)
+    one_group = torch.optim.Adam([{"params": list(model.parameters()), "weight_decay": 0.1}])
+    _refused(whole, model, one_group, r"weight_decay: 0.1 vs 0.0")
+    with select_layers([0, 1, 2]):
+        part = Model(seed=1)
+    with pytest.raises(CheckpointError, match="belong to no rank"):
+        load_dcp_checkpoint(whole, part, canonical=_canonical(part))  # strict: the rest unused
+    meta = load_dcp_checkpoint(whole, part, canonical=_canonical(part), strict=False)
+    assert meta["global_step"] == STEPS
+    damaged = tmp_path / "damaged.ckpt"
+    shutil.copytree(whole, damaged)
+    data = sorted(damaged.glob("*.distcp"))[0]
+    data.write_bytes(data.read_bytes()[:-10])
+    _refused(damaged, model, opt, data.name)
+    assert not is_dcp_checkpoint(tmp_path / "nothing.ckpt")
+    with pytest.raises(CheckpointError, match="does not exist"):
+        read_dcp_checkpoint_meta(tmp_path / "nothing.ckpt")
+
+
+def test_a_shape_mismatch_names_the_tensor(whole):
+    model, opt = _fresh({"schedule": "1f1b", "pp": 1}, 0)
+    model.layers[3].lin = nn.Linear(DIM, DIM + 1)
+    _refused(whole, model, opt, r"layers.3.lin.weight: saved \(8, 8\), here \(9, 8\)")
+
+
+def test_one_process_round_trip_keeps_hyperparameter_types(whole):
+    meta = read_dcp_checkpoint_meta(whole)
+    groups = meta["optimizers"][0]["param_groups"]
+    assert [g["weight_decay"] for g in groups] == [0.1, 0.0]
+    assert groups[0]["betas"] == (0.9, 0.999)  # a tuple stays a tuple (no pickle, no loss)
+    assert meta["layout"] == {"schedule": "1f1b", "pp": 1, "world_size": 1}
+    assert meta["lightning"]["loops"]["fit_loop"]["epoch_progress"]["current"]["completed"] == 1

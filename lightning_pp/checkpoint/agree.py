@@ -18,13 +18,14 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch.distributed as dist
 
 from .errors import CheckpointError
 
-__all__ = ["broadcast_first", "gather_all", "group_rank", "raise_together"]
+__all__ = ["broadcast_first", "gather_all", "group_rank", "raise_together", "report_errors"]
 
 ProcessGroup = Any  # dist.ProcessGroup, or None for the default group
 
@@ -57,9 +58,32 @@ def broadcast_first(obj: Any, group: ProcessGroup = None) -> Any:
     return box[0]
 
 
-def raise_together(error: str | None, group: ProcessGroup, what: str) -> None:
+def raise_together(
+    error: str | None,
+    group: ProcessGroup,
+    what: str,
+    cleanup: Callable[[], None] | None = None,
+) -> None:
     """Raise :class:`CheckpointError` on every rank if any rank's ``error`` is not ``None``
-    (collective): ``"{what}: rank 1: ...; rank 3: ..."``."""
-    errors = [f"rank {r}: {e}" for r, e in enumerate(gather_all(error, group)) if e]
-    if errors:
-        raise CheckpointError(f"{what}: " + "; ".join(errors))
+    (collective): ``"{what}: rank 1: ...; ranks 0, 3: ..."`` (ranks with the same error, such
+    as one DCP reported to all, are named together). ``cleanup`` runs first, on every rank."""
+    report_errors([e for e in gather_all(error, group)], what, cleanup)
+
+
+def report_errors(
+    errors: Sequence[str | None], what: str, cleanup: Callable[[], None] | None = None
+) -> None:
+    """:func:`raise_together` for errors already gathered (``errors[r]``: rank r's or None)."""
+    by_message: dict[str, list[int]] = {}
+    for r, e in enumerate(errors):
+        if e:
+            by_message.setdefault(e, []).append(r)
+    if not by_message:
+        return
+    if cleanup is not None:
+        cleanup()
+    parts = [
+        f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {e}"
+        for e, rs in by_message.items()
+    ]
+    raise CheckpointError(f"{what}: " + "; ".join(parts))
