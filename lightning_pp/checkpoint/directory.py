@@ -18,8 +18,18 @@ import os
 import secrets
 import shutil
 from pathlib import Path
+from typing import Any
 
-__all__ = ["PARTIAL", "fsync_dir", "new_partial_dir", "publish", "remove_checkpoint_dir"]
+import torch
+
+__all__ = [
+    "PARTIAL",
+    "fsync_dir",
+    "new_partial_dir",
+    "publish",
+    "remove_checkpoint_dir",
+    "save_file_atomically",
+]
 
 #: what the hidden directory of a save in progress (or an interrupted one) has in its name
 PARTIAL = ".partial-"
@@ -72,3 +82,19 @@ def remove_checkpoint_dir(path: str | os.PathLike) -> None:
         shutil.rmtree(path)
     elif path.exists() or path.is_symlink():
         path.unlink()
+
+
+def save_file_atomically(obj: Any, out: Path) -> None:
+    """``torch.save`` ``obj`` to ``out`` through a temporary sibling and a rename, so ``out``
+    is either the old file or the whole new one (``consolidate``'s output)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{secrets.token_hex(4)}"
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            tmp.unlink()

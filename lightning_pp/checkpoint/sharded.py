@@ -1,6 +1,11 @@
-"""Sharded pipeline checkpoints: each stage saves what it holds, any shape loads it back.
+"""The version-1 checkpoint format: its reader, kept for one release, and its writer.
 
-A checkpoint is a **directory** (ModelCheckpoint's ``epoch=0-step=5.ckpt`` becomes a folder)::
+Saves now write the DCP format (:mod:`.dcp_format`); this module still reads directories
+written before it (:mod:`.strategy_io` and :mod:`.consolidate` dispatch here when a directory
+holds ``index.json`` and no ``complete.json``). Its writer, :func:`save_sharded_checkpoint`,
+stays for the tests of the reader. To be removed one release after the switch.
+
+A version-1 checkpoint is a **directory** (``epoch=0-step=5.ckpt`` is a folder)::
 
     step=5.ckpt/
       model.pp0.pt   ...  model.pp{P-1}.pt   parameters/buffers of one stage, by original name
@@ -29,7 +34,6 @@ Example::
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import pickle
@@ -66,16 +70,13 @@ __all__ = [
     "consolidate_checkpoint",
     "is_pipeline_checkpoint",
     "META_SAFE_GLOBALS",
-    "module_from_checkpoint",
     "load_metadata",
     "load_model_shard",
     "load_optimizer_shard",
     "load_pipeline_checkpoint",
     "optimizer_state_by_name",
-    "module_optimizer_state",
     "read_index",
     "remove_checkpoint_dir",
-    "save_pipeline_checkpoint",
     "save_sharded_checkpoint",
     "tied_canonical_names",
 ]
@@ -597,40 +598,6 @@ def _shape(index: Mapping[str, Any]) -> str:
 # ---------------------------------------------------------------------------------- one rank
 # What PipelineStrategy.save_checkpoint / load_checkpoint / optimizer_state call: plain values in
 # (this rank's place, the run's layout), nothing of the strategy.
-def save_pipeline_checkpoint(
-    checkpoint: dict[str, Any],
-    path: str | os.PathLike,
-    *,
-    module: nn.Module,
-    pp_rank: int,
-    dp_rank: int,
-    layout: Mapping[str, Any],
-    barrier: Callable[[], None] | None = None,
-    canonical: Mapping[str, str] | None = None,
-) -> Path:
-    """Collective: write this rank's shard of a Lightning ``checkpoint`` into directory ``path``.
-
-    Only ``dp_rank == 0`` of each pipeline rank writes tensors (replicas are identical). The
-    module's class is recorded so ``lightning-pp consolidate --lightning`` can rebuild the
-    unpipelined module.
-    """
-    from .hf_record import hf_config_of
-
-    cls = type(module)
-    checkpoint["lightning_pp"] = {"module_class": f"{cls.__module__}:{cls.__qualname__}"}
-    hf = hf_config_of(module)
-    if hf is not None:  # what ``consolidate --hf`` needs to write a save_pretrained directory
-        checkpoint["lightning_pp"]["hf"] = hf
-    return save_sharded_checkpoint(
-        checkpoint,
-        path,
-        tag=f"pp{pp_rank}" if dp_rank == 0 else None,
-        canonical=_canonical(module, canonical),
-        layout=layout,
-        barrier=barrier,
-    )
-
-
 def load_pipeline_checkpoint(
     path: str | os.PathLike,
     module: Any,
@@ -682,13 +649,6 @@ def load_pipeline_checkpoint(
             for state, cfg in zip(meta["lr_schedulers"], scheduler_configs)
         ]
     return meta
-
-
-def module_optimizer_state(
-    optimizer: Optimizer, module: Any, canonical: Mapping[str, str] | None = None
-) -> dict[str, Any]:
-    """:func:`optimizer_state_by_name` for a module with pipeline layers (tied names resolved)."""
-    return optimizer_state_by_name(optimizer, module, _canonical(module, canonical))
 
 
 # ---------------------------------------------------------------------------------- consolidate
@@ -793,52 +753,3 @@ def _lightning_checkpoint(
                 for s, cfg in zip(meta["lr_schedulers"], scheduler_configs)
             ]
     return ckpt
-
-
-def module_from_checkpoint(
-    path: str | os.PathLike,
-    class_path: str | type | None = None,
-    *,
-    weights_only: bool = True,
-    allow_main: bool = False,
-) -> Any:
-    """Instantiate the unpipelined LightningModule a checkpoint was written from.
-
-    The class is ``class_path`` (a class, or ``"package.module:Class"``), else the one recorded at
-    save time; it is called with the saved hyperparameters. Trust: importing a module runs its
-    top-level code, so only a class that is a ``LightningModule`` subclass is called, and a
-    recorded class is imported only when its module is importable here (installed or on the
-    path). ``allow_main``: accept a class recorded from a script (``__main__:Class``), which
-    resolves only inside that same script (the CLI refuses it).
-    """
-    from lightning.pytorch import LightningModule
-
-    path = Path(path)
-    index = read_index(path)
-    meta = load_metadata(path / index["meta_file"], weights_only=weights_only)
-    if class_path is None:
-        class_path = meta.get("lightning_pp", {}).get("module_class")
-        if class_path is None:
-            raise CheckpointError(f"{path / index['meta_file']} does not record its module class")
-    if isinstance(class_path, str):
-        module_name, _, qualname = class_path.partition(":")
-        if not qualname:
-            raise ValueError(
-                f"a module class must look like 'package.module:Class', got {class_path!r}"
-            )
-        if module_name == "__main__" and not allow_main:
-            raise ValueError(
-                f"the module class was defined in a script ({class_path}); name an importable "
-                "class instead (pkg.mod:Class)"
-            )
-        cls: Any = importlib.import_module(module_name)
-        for part in qualname.split("."):
-            cls = getattr(cls, part)
-    else:
-        cls = class_path
-    if not (isinstance(cls, type) and issubclass(cls, LightningModule)):
-        raise CheckpointError(
-            f"{class_path!r} (from {path / index['meta_file']}) is not a LightningModule class; "
-            "refusing to call it with the checkpoint's hyperparameters"
-        )
-    return cls(**dict(meta.get("hyper_parameters", {})))
