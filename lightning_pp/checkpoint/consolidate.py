@@ -159,8 +159,9 @@ def _lightning_checkpoint(path: Path, module: Any) -> dict[str, Any]:
     process), and return it as a plain Lightning checkpoint dict."""
     if getattr(module, "layers", None) is None and hasattr(module, "configure_model"):
         module.configure_model()
-    # the tied names the checkpoint was written with (a split= model's, or PipelineLayers')
-    stored = read_dcp_checkpoint_meta(path)
+    # the tied names the checkpoint was written with (a split= model's, or PipelineLayers'):
+    # a peek, no pickle either; load_dcp_checkpoint verifies every file before using any
+    stored = read_meta(path)
     canonical = {member: name for name, member in stored["tied"]}
     optimizers, scheduler_configs = configure_optimizers_and_schedulers(module)
     with_optim = bool(optimizers) and "optimizers" in stored
