@@ -167,7 +167,9 @@ def _assert_payload_live(directory: Path, marker: Path, load: Any) -> None:
     marker.unlink()
 
 
-def test_hostile_metadata_is_refused_and_never_runs(tmp_path: Path) -> None:
+def test_hostile_metadata_is_refused_and_never_runs(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     _save(tmp_path, _state())
     marker = tmp_path / "MARKER"
     (tmp_path / ".metadata").write_bytes(pickle.dumps(_Payload(f"touch {marker}")))
@@ -179,6 +181,7 @@ def test_hostile_metadata_is_refused_and_never_runs(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="posix.system"):
         SafeFileSystemReader(tmp_path).read_metadata()
     assert not marker.exists()
+    assert "Falling back" not in caplog.text  # DCP's misleading warning is dropped
 
 
 def test_metadata_pointing_outside_the_directory_is_refused(tmp_path: Path) -> None:
