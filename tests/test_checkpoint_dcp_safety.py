@@ -109,6 +109,56 @@ def test_metadata_reader_allows_what_dcp_writes(tmp_path: Path) -> None:
     assert isinstance(metadata, Metadata) and set(metadata.state_dict_metadata) == set(state)
 
 
+def test_dtensor_and_optimizer_state_load_through_a_process_group(tmp_path: Path) -> None:
+    """DTensors (Shard, Replicate) and get_state_dict's optimizer state, saved and loaded over
+    a one-rank gloo group: the collective path and the metadata such saves write."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        model = torch.nn.Linear(3, 2)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+        model(torch.ones(1, 3)).sum().backward()
+        opt.step()
+        msd, osd = get_state_dict(model, opt)
+        state = {
+            "model": msd,
+            # optimizer state only: param_groups are not tensors (they go to meta_codec)
+            "optim": {"state": osd["state"]},
+            "shard": distribute_tensor(torch.randn(4, 4), mesh, [Shard(0)]),
+            "rep": distribute_tensor(torch.randn(4), mesh, [Replicate()]),
+        }
+        dcp.save(state, checkpoint_id=tmp_path / "ckpt")
+        target = {
+            "model": {k: torch.zeros_like(v) for k, v in msd.items()},
+            "optim": {
+                "state": {
+                    n: {k: torch.zeros_like(v) for k, v in s.items()}
+                    for n, s in osd["state"].items()
+                },
+            },
+            "shard": distribute_tensor(torch.zeros(4, 4), mesh, [Shard(0)]),
+            "rep": distribute_tensor(torch.zeros(4), mesh, [Replicate()]),
+        }
+        safe_dcp_load(target, tmp_path / "ckpt")
+        for k, v in msd.items():
+            assert torch.equal(target["model"][k], v), k
+        for n, s in osd["state"].items():
+            for k, v in s.items():
+                assert torch.equal(target["optim"]["state"][n][k], v), (n, k)
+        assert torch.equal(target["shard"].full_tensor(), state["shard"].full_tensor())
+        assert torch.equal(target["rep"].full_tensor(), state["rep"].full_tensor())
+    finally:
+        dist.destroy_process_group()
+
+
 def _assert_payload_live(directory: Path, marker: Path, load: Any) -> None:
     """The stock reader runs the payload: the hostile file is real, so the refusals mean it."""
     with contextlib.suppress(Exception):  # it runs the payload, then fails on its result
@@ -117,7 +167,9 @@ def _assert_payload_live(directory: Path, marker: Path, load: Any) -> None:
     marker.unlink()
 
 
-def test_hostile_metadata_is_refused_and_never_runs(tmp_path: Path) -> None:
+def test_hostile_metadata_is_refused_and_never_runs(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     _save(tmp_path, _state())
     marker = tmp_path / "MARKER"
     (tmp_path / ".metadata").write_bytes(pickle.dumps(_Payload(f"touch {marker}")))
@@ -129,6 +181,7 @@ def test_hostile_metadata_is_refused_and_never_runs(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="posix.system"):
         SafeFileSystemReader(tmp_path).read_metadata()
     assert not marker.exists()
+    assert "Falling back" not in caplog.text  # DCP's misleading warning is dropped
 
 
 def test_metadata_pointing_outside_the_directory_is_refused(tmp_path: Path) -> None:
@@ -399,6 +452,13 @@ def test_meta_refuses_other_types_at_save_naming_the_key(
     with pytest.raises(CheckpointError, match=r"cannot save checkpoint" + _re(shown) + f".*{kind}"):
         write_meta(tmp_path, value)
     assert not (tmp_path / META_JSON).exists() and not (tmp_path / META_TENSORS).exists()
+
+
+def test_meta_refuses_a_container_holding_itself(tmp_path: Path) -> None:
+    loop: dict[str, Any] = {"a": [1]}
+    loop["a"].append(loop)
+    with pytest.raises(CheckpointError, match=r"checkpoint\['x'\]\['a'\]\[1\].*contains itself"):
+        write_meta(tmp_path, {"x": loop})
 
 
 def _re(text: str) -> str:

@@ -27,6 +27,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import pickle
 import re
@@ -263,6 +264,21 @@ class TensorsOnlyLoadPlanner(DefaultLoadPlanner):
         return str(self._checkpoint) if self._checkpoint is not None else "the checkpoint"
 
 
+class _QuietFallback(logging.Filter):
+    """Drops DCP's "Global metadata is not found. Falling back to rank local metadata." (with
+    its traceback) after our reader refused ``.metadata``: the refusal is raised, nothing falls
+    back, and the warning would mislead. DCP logs it on the root logger (state_dict_loader.py)."""
+
+    def __init__(self, reader: SafeFileSystemReader) -> None:
+        super().__init__()
+        self._reader = reader
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self._reader.refusal is None or not str(record.msg).startswith(
+            ("Global metadata is not found", "Rank local metadata is not found")
+        )
+
+
 def safe_dcp_load(
     state_dict: dict[str, Any],
     path: str | os.PathLike,
@@ -278,6 +294,8 @@ def safe_dcp_load(
     """
     no_dist = not (dist.is_available() and dist.is_initialized())
     reader = SafeFileSystemReader(path)
+    quiet = _QuietFallback(reader)
+    logging.getLogger().addFilter(quiet)
     try:
         dcp.load(
             state_dict,
@@ -296,3 +314,5 @@ def safe_dcp_load(
             f"rank {r}: {type(e).__name__}: {e}" for r, (e, _) in sorted(exc.failures.items())
         )
         raise CheckpointError(f"loading DCP checkpoint {str(path)!r} failed: {detail}") from None
+    finally:
+        logging.getLogger().removeFilter(quiet)

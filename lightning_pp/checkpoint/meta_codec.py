@@ -30,12 +30,13 @@ from __future__ import annotations
 import argparse
 import base64
 import collections
+import contextlib
 import datetime
 import json
 import math
 import os
 import pathlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -140,19 +141,15 @@ class _Encoder:
         with self._visiting(value, path):
             return [self(v, (*path, i)) for i, v in enumerate(value)]
 
-    def _visiting(self, value: Any, path: tuple[Any, ...]) -> Any:
-        encoder = self
-
-        class _Guard:
-            def __enter__(self) -> None:
-                if id(value) in encoder._active:
-                    raise encoder.refuse(path, value, " that contains itself")
-                encoder._active.add(id(value))
-
-            def __exit__(self, *exc: Any) -> None:
-                encoder._active.discard(id(value))
-
-        return _Guard()
+    @contextlib.contextmanager
+    def _visiting(self, value: Any, path: tuple[Any, ...]) -> Iterator[None]:
+        if id(value) in self._active:
+            raise self.refuse(path, value, " that contains itself")
+        self._active.add(id(value))
+        try:
+            yield
+        finally:
+            self._active.discard(id(value))
 
     def _dict(self, value: dict, path: tuple[Any, ...]) -> dict[str, Any]:
         kind = type(value)
