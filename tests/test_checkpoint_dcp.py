@@ -345,6 +345,61 @@ def test_a_killed_save_never_looks_complete(tmp_path, where):
     assert all(torch.equal(state[k], v) for k, v in ref.state_dict().items())
 
 
+# ------------------------------------------------------------------------- async
+def _async_save_while_training(rank: int, size: int, path: str) -> dict:
+    """The write held at a gate while the "next steps" change every tensor in place: the
+    checkpoint must hold the values of the moment the save started, and appear only when done."""
+    import threading
+
+    import torch.distributed.checkpoint as dcp
+
+    from lightning_pp.checkpoint.async_save import checkpoint_group
+    from lightning_pp.checkpoint.dcp_save import start_async_dcp_checkpoint
+
+    shape = {"schedule": "1f1b", "pp": 2}
+    group = checkpoint_group()
+    model, opt = _pipeline_rank(shape, rank)
+    canonical = _canonical(model)
+    ckpt = {
+        "state_dict": model.state_dict(),
+        "optimizer_states": [optimizer_state_by_name(opt, model, canonical)],
+        "global_step": STEPS,
+    }
+    gate = threading.Event()
+    real = dcp.FileSystemWriter.write_data
+
+    def write_data(self, plan, planner):
+        assert gate.wait(60), "the test never opened the gate"
+        return real(self, plan, planner)
+
+    dcp.FileSystemWriter.write_data = write_data
+    try:
+        pending = start_async_dcp_checkpoint(
+            ckpt, path, canonical=canonical, layout=shape, writer_group=group
+        )
+        with torch.no_grad():  # what the next optimizer steps do, in place
+            for p in model.parameters():
+                p.add_(1.0)
+            for st in opt.state.values():
+                st["exp_avg"].mul_(-3.0)
+        seen_early = {"done": pending.done(), "published": Path(path).exists()}
+        gate.set()
+        pending.wait(120)
+    finally:
+        dcp.FileSystemWriter.write_data = real
+    dist.barrier()  # rank 0 published before anyone loads
+    fresh, fresh_opt = _fresh({"schedule": "1f1b", "pp": 1, "dp": 2}, rank)
+    load_dcp_checkpoint(path, fresh, canonical=_canonical(fresh), optimizers=[fresh_opt])
+    return {**seen_early, "diffs": _compare(fresh, fresh_opt)}
+
+
+def test_an_async_save_writes_the_values_of_its_start_and_publishes_when_done(tmp_path):
+    path = tmp_path / "async.ckpt"
+    for r in world("gloo", 2).run(_async_save_while_training, str(path), timeout=240):
+        assert r == {"done": False, "published": False, "diffs": []}, r
+    assert is_dcp_checkpoint(path) and not list(tmp_path.glob(".*partial*"))
+
+
 # ------------------------------------------------------------------------- refusals, one process
 @pytest.fixture(scope="module")
 def whole(tmp_path_factory) -> Path:
