@@ -451,3 +451,37 @@ def test_one_process_round_trip_keeps_hyperparameter_types(whole):
     assert groups[0]["betas"] == (0.9, 0.999)  # a tuple stays a tuple (no pickle, no loss)
     assert meta["layout"] == {"schedule": "1f1b", "pp": 1, "world_size": 1}
     assert meta["lightning"]["loops"]["fit_loop"]["epoch_progress"]["current"]["completed"] == 1
+
+
+def _edited(whole: Path, tmp_path: Path, edit) -> Path:
+    """A copy of ``whole`` whose metadata ``edit`` changed, its manifest rewritten to match
+    (what a careless tool or an attacker does): only the metadata's own checks remain."""
+    from lightning_pp.checkpoint.manifest import MANIFEST, write_manifest
+    from lightning_pp.checkpoint.meta_codec import read_meta, write_meta
+
+    path = tmp_path / "edited.ckpt"
+    shutil.copytree(whole, path)
+    meta = read_meta(path)
+    edit(meta)
+    write_meta(path, meta)
+    (path / MANIFEST).unlink()
+    write_manifest(path, {})
+    return path
+
+
+def test_edited_metadata_is_refused_naming_the_file(whole, tmp_path):
+    def drop_shapes(meta):
+        meta["model"]["layers.1.lin.weight"] = "float32"
+
+    path = _edited(whole, tmp_path, drop_shapes)
+    with pytest.raises(CheckpointError, match=r"meta\.json: 'model' is not"):
+        read_dcp_checkpoint_meta(path)
+
+
+def test_an_oversized_optimizer_state_is_refused_before_allocation(whole, tmp_path):
+    def huge(meta):
+        meta["optimizers"][0]["tensors"]["layers.1.lin.weight"]["exp_avg"] = ["float32", [10**9]]
+
+    path = _edited(whole, tmp_path, huge)
+    model, opt = _fresh({"schedule": "1f1b", "pp": 1}, 0)
+    _refused(path, model, opt, r"'exp_avg' of 'layers.1.lin.weight' was saved with shape")

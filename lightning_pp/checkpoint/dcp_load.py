@@ -18,6 +18,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -87,6 +88,18 @@ def _model_request(
     return request, wanted
 
 
+def _check_state_sizes(specs: Mapping[str, Any], param: Tensor, name: str, i: int) -> None:
+    """A saved state tensor is no larger than its parameter (moments have its shape, step
+    counts none, factored states less): a larger one is another model's, or an edited file,
+    and is refused before memory is allocated for it."""
+    for key, (_, shape) in specs.items():
+        if math.prod(shape) > max(1, param.numel()):
+            raise CheckpointError(
+                f"optimizer {i} state {key!r} of {name!r} was saved with shape {tuple(shape)}, "
+                f"larger than the parameter here {tuple(param.shape)}"
+            )
+
+
 def _optimizer_request(
     optimizers: Sequence[Optimizer],
     names: Mapping[int, tuple[str, bool]],
@@ -112,9 +125,9 @@ def _optimizer_request(
                 if name in theirs["group_of"]:
                     by_name["group_of"][name] = groups[theirs["group_of"][name]]
                 if name in theirs["tensors"] and name not in tensors:
-                    tensors[name] = {
-                        k: empty_from_spec(s) for k, s in theirs["tensors"][name].items()
-                    }
+                    specs = theirs["tensors"][name]
+                    _check_state_sizes(specs, p, name, i)
+                    tensors[name] = {k: empty_from_spec(s) for k, s in specs.items()}
                     by_name["state"][name] = {**theirs["values"].get(name, {}), **tensors[name]}
         # groups and missing names checked now (no state: nothing is copied)
         positional_optimizer_state(

@@ -33,7 +33,7 @@ from torch import Tensor
 from .by_name import natural_key, same_hyper
 from .errors import CheckpointError
 from .manifest import MANIFEST, verify_manifest
-from .meta_codec import read_meta
+from .meta_codec import META_JSON, read_meta
 
 __all__ = [
     "FORMAT",
@@ -62,10 +62,55 @@ def tensor_spec(t: Tensor) -> list[Any]:
 
 
 def empty_from_spec(spec: Sequence[Any], device: Any = "cpu") -> Tensor:
-    dtype = getattr(torch, str(spec[0]), None)
+    """An uninitialised tensor of a :func:`tensor_spec` (``["float32", [4, 8]]``), for DCP to
+    read into; a dtype that is not one of torch's is refused."""
+    name = spec[0]
+    dtype = getattr(torch, name, None) if isinstance(name, str) and name.isidentifier() else None
     if not isinstance(dtype, torch.dtype):
-        raise CheckpointError(f"unknown dtype {spec[0]!r} in the checkpoint's metadata")
+        raise CheckpointError(f"unknown dtype {name!r} in the checkpoint's metadata")
     return torch.empty([int(n) for n in spec[1]], dtype=dtype, device=device)
+
+
+def _is_spec(value: Any) -> bool:
+    return (
+        isinstance(value, list)
+        and len(value) == 2
+        and isinstance(value[0], str)
+        and isinstance(value[1], list)
+        and all(type(n) is int and n >= 0 for n in value[1])
+    )
+
+
+def _check_structure(meta: Mapping[str, Any], where: Path) -> None:
+    """What the loaders index into is there and of its type (an edited meta.json is refused
+    here, naming the file, not met later as a KeyError)."""
+    problems = []
+    if not (isinstance(meta.get("model"), dict) and all(map(_is_spec, meta["model"].values()))):
+        problems.append("'model' is not {name: [dtype, shape]}")
+    tied = meta.get("tied")
+    if not (isinstance(tied, list) and all(isinstance(t, list) and len(t) == 2 for t in tied)):
+        problems.append("'tied' is not a list of [canonical, member] pairs")
+    for key in ("layout", "lightning"):
+        if not isinstance(meta.get(key), dict):
+            problems.append(f"{key!r} is not a dict")
+    for i, opt in enumerate(meta.get("optimizers", [])):
+        groups = opt.get("param_groups") if isinstance(opt, dict) else None
+        ok = (
+            isinstance(groups, list)
+            and all(isinstance(g, dict) for g in groups)
+            and isinstance(opt.get("values"), dict)
+            and isinstance(opt.get("group_of"), dict)
+            and all(type(g) is int and 0 <= g < len(groups) for g in opt["group_of"].values())
+            and isinstance(opt.get("tensors"), dict)
+            and all(
+                isinstance(t, dict) and all(map(_is_spec, t.values()))
+                for t in opt["tensors"].values()
+            )
+        )
+        if not ok:
+            problems.append(f"optimizer {i}'s entry is malformed")
+    if problems:
+        raise CheckpointError(f"{where}: {'; '.join(problems)}; the file was edited or is foreign")
 
 
 def split_rank_state(
@@ -148,4 +193,5 @@ def read_dcp_checkpoint_meta(path: str | os.PathLike) -> dict[str, Any]:
             f"{path} has format version {meta.get('version')!r}; this lightning_pp reads "
             f"<= {VERSION}"
         )
+    _check_structure(meta, path / META_JSON)
     return meta
