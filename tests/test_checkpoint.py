@@ -8,7 +8,7 @@ Four groups of ranks (:mod:`worlds`: torchrun-like Trainer workers, no launcher)
   checkpoint at dp=2 x pp=2, the 1F1B one at pp=4 vpp=2) and cross placements (zbv ->
   interleaved, interleaved -> zbv); each continues the original run;
 * C (the shared 2-rank world): the interleaved checkpoint at pp=2 vpp=1;
-* a 2-rank world whose rank 1 dies half-way through its second save.
+* a 2-rank world whose rank 1 dies half-way through its second save (its DCP data write).
 
 Then, in this process: ``lightning-pp consolidate`` (plain state_dict and full Lightning
 checkpoint) and a plain single-process Trainer resuming from the latter.
@@ -31,12 +31,13 @@ from distributed import DistributedFailure  # noqa: E402
 from pp_common import MODEL_KW  # noqa: E402
 from worlds import World, script_main, world  # noqa: E402
 
-from lightning_pp.checkpoint.sharded import (  # noqa: E402
-    CheckpointError,
+from lightning_pp.checkpoint.consolidate import (  # noqa: E402
     consolidate_checkpoint,
     is_pipeline_checkpoint,
-    read_index,
 )
+from lightning_pp.checkpoint.dcp_format import read_dcp_checkpoint_meta  # noqa: E402
+from lightning_pp.checkpoint.dcp_safe import read_dcp_metadata  # noqa: E402
+from lightning_pp.checkpoint.errors import CheckpointError  # noqa: E402
 from lightning_pp.commands.cli import main as cli_main  # noqa: E402
 from lightning_pp.models import GPT  # noqa: E402
 
@@ -110,7 +111,7 @@ def runs(tmp_path_factory) -> dict:
         [_phase("il_to_pp2", {"pp": 2, "microbatches": 4}, max_steps=10, resume=il5)],
     )
     # a rank that dies inside a save: saves at steps 2 and 4; rank 1 dies inside its second
-    # optimizer-file write (os._exit(17)), so the world is lost: one of its own
+    # DCP data write (os._exit(17)), so the world is lost: one of its own
     doomed = World("trainer", 2)
     crash_phase = _phase(
         "crash",
@@ -222,47 +223,47 @@ def _copy(src: str, dst: Path) -> Path:
 
 
 def test_consolidate_refuses_a_tampered_real_checkpoint(runs, tmp_path, capsys):
-    """Issue 13 item 10 on a real pp=4 checkpoint: an index entry removed, or two stage files
-    swapped, used to give a partial file (part of the tensors) and exit 0."""
+    """Issue 13 item 10 on a real pp=4 checkpoint, DCP format: a data file deleted, or two
+    swapped, is refused naming the file, and nothing is written."""
     dropped = _copy(runs["il5"], tmp_path / "dropped.ckpt")
-    index = json.loads((dropped / "index.json").read_text())
-    del index["model_files"]["model.pp2.pt"]
-    (dropped / "index.json").write_text(json.dumps(index))
+    gone = sorted(dropped.glob("*.distcp"))[2]
+    gone.unlink()
     assert cli_main(["consolidate", str(dropped), str(tmp_path / "a.pt")]) == 2
     err = capsys.readouterr().err
-    assert "model.pp2.pt" in err and "pp=4" in err, err
+    assert gone.name in err and "missing" in err, err
     assert not (tmp_path / "a.pt").exists()
 
     swapped = _copy(runs["il5"], tmp_path / "swapped.ckpt")
-    (swapped / "model.pp1.pt").rename(swapped / "tmp")
-    (swapped / "model.pp3.pt").rename(swapped / "model.pp1.pt")
-    (swapped / "tmp").rename(swapped / "model.pp3.pt")
+    one, other = sorted(swapped.glob("*.distcp"))[1:3]
+    one.rename(swapped / "tmp")
+    other.rename(one)
+    (swapped / "tmp").rename(other)
     assert cli_main(["consolidate", str(swapped), str(tmp_path / "b.pt")]) == 2
     err = capsys.readouterr().err
-    assert "model.pp1.pt" in err and "do not match index.json" in err, err
+    assert one.name in err or other.name in err, err
     assert not (tmp_path / "b.pt").exists()
 
 
 # ---------------------------------------------------------------------------- format
 def test_on_disk_layout(runs):
-    il, fb = read_index(runs["il5"]), read_index(runs["fb5"])
+    il, fb = read_dcp_checkpoint_meta(runs["il5"]), read_dcp_checkpoint_meta(runs["fb5"])
     assert il["layout"]["pp"] == 4 and il["layout"]["vpp"] == 2
-    assert sorted(il["model_files"]) == [f"model.pp{r}.pt" for r in range(4)]
-    # dp = 2: only dp_rank 0 of each stage writes (replicas are identical)
     assert fb["layout"]["dp"] == 2
-    assert sorted(fb["model_files"]) == ["model.pp0.pt", "model.pp1.pt"]
-    assert sorted(fb["optim_files"]) == ["optim.pp0.pt", "optim.pp1.pt"]
-    for index in (il, fb):
-        model_names = [n for names in index["model_files"].values() for n in names]
-        optim_names = [n for names in index["optim_files"].values() for n in names]
-        # every tensor in exactly one file; the tied head weight stored once, under the
-        # embedding's name; optimizer states keyed by name, no collisions between stages
-        assert len(model_names) == len(set(model_names))
-        assert "layers.0.wte.weight" in model_names
-        assert "layers.7.head.weight" not in model_names
-        assert index["tied"] == [["layers.0.wte.weight", "layers.7.head.weight"]]
-        assert len(optim_names) == len(set(optim_names))
-        assert set(optim_names) == set(model_names)
+    for path, meta in ((runs["il5"], il), (runs["fb5"], fb)):
+        files = {p.name for p in Path(path).iterdir()}
+        assert {".metadata", "complete.json", "meta.json", "meta.safetensors"} <= files
+        assert not {f for f in files if f.endswith((".pt", ".pkl"))}  # nothing torch.save'd
+        # the tied head weight stored once, under the embedding's name, with its optimizer
+        # state; optimizer state keyed by name, every stored parameter's
+        assert "layers.0.wte.weight" in meta["model"]
+        assert "layers.7.head.weight" not in meta["model"]
+        assert meta["tied"] == [["layers.0.wte.weight", "layers.7.head.weight"]]
+        assert set(meta["optimizers"][0]["group_of"]) == set(meta["model"])
+        assert "layers.0.wte.weight" in meta["optimizers"][0]["tensors"]
+        # dp = 2: DCP's planner wrote each tensor once (no replica's second copy)
+        md = read_dcp_metadata(Path(path) / ".metadata")
+        written = sum(p.stat().st_size for p in Path(path).glob("*.distcp"))
+        assert written == sum(info.length for info in md.storage_data.values())
 
 
 def test_best_k_rotation_deletes_checkpoint_directories(runs):
@@ -301,8 +302,8 @@ def test_crash_during_save_leaves_previous_checkpoint_loadable(runs):
     assert "step=2.ckpt" in names and "step=4.ckpt" not in names, names
     partial = [n for n in names if n.startswith(".step=4.ckpt.partial-")]
     assert len(partial) == 1, names
-    with pytest.raises(CheckpointError, match="incomplete"):
-        read_index(ckpt_dir / partial[0])
+    with pytest.raises(CheckpointError, match="complete.json is missing: the save did not"):
+        read_dcp_checkpoint_meta(ckpt_dir / partial[0])
     state = consolidate_checkpoint(ckpt_dir / "step=2.ckpt")
     model = GPT(**MODEL_KW)
     model.configure_model()
@@ -311,23 +312,24 @@ def test_crash_during_save_leaves_previous_checkpoint_loadable(runs):
 
 def test_loading_refuses_incomplete_or_foreign_paths(tmp_path):
     with pytest.raises(CheckpointError, match="does not exist"):
-        read_index(tmp_path / "nope.ckpt")
+        read_dcp_checkpoint_meta(tmp_path / "nope.ckpt")
     f = tmp_path / "file.ckpt"
     f.write_bytes(b"x")
     with pytest.raises(CheckpointError, match="is a file"):
-        read_index(f)
+        read_dcp_checkpoint_meta(f)
     d = tmp_path / "half.ckpt"
     d.mkdir()
-    (d / "model.pp0.pt").write_bytes(b"x")
-    with pytest.raises(CheckpointError, match="no index.json"):
-        read_index(d)
+    (d / "__0_0.distcp").write_bytes(b"x")
+    with pytest.raises(CheckpointError, match="complete.json is missing"):
+        read_dcp_checkpoint_meta(d)
+    assert not is_pipeline_checkpoint(d)
     assert cli_main(["consolidate", str(d), str(tmp_path / "o.pt")]) == 2
 
 
 # ---------------------------------------------------------------------------- zero-bubble
 def test_zbv_checkpoint_records_its_shape(runs):
-    index = read_index(runs["zbv5"])
-    assert index["layout"]["pp"] == 4 and index["layout"]["vpp"] == 2
+    layout = read_dcp_checkpoint_meta(runs["zbv5"])["layout"]
+    assert layout["pp"] == 4 and layout["vpp"] == 2
 
 
 def test_plain_trainer_resumes_from_consolidated_zbv_checkpoint(runs, tmp_path):

@@ -28,12 +28,10 @@ sys.path.insert(0, str(ROOT / "tests" / "scripts"))
 from byom_models import LAYERS, model_fn  # noqa: E402
 from worlds import world  # noqa: E402
 
+from lightning_pp.checkpoint.consolidate import consolidated_state_dict  # noqa: E402
+from lightning_pp.checkpoint.errors import CheckpointError  # noqa: E402
 from lightning_pp.checkpoint.hf_export import export_hf, hf_config_of  # noqa: E402
-from lightning_pp.checkpoint.sharded import (  # noqa: E402
-    CheckpointError,
-    consolidated_state_dict,
-    save_pipeline_checkpoint,
-)
+from lightning_pp.checkpoint.strategy_io import save_pipeline_checkpoint  # noqa: E402
 from lightning_pp.commands.cli import main as cli_main  # noqa: E402
 
 TOL = 1e-5
@@ -135,9 +133,7 @@ class _Holder(nn.Module):
 def _save(module: nn.Module, path: Path) -> Path:
     ckpt = {"state_dict": module.state_dict(), "global_step": 2}
     layout = {"pp": 1, "vpp": 1, "dp": 1}
-    return save_pipeline_checkpoint(
-        ckpt, path, module=module, pp_rank=0, dp_rank=0, layout=layout, canonical={}
-    )
+    return save_pipeline_checkpoint(ckpt, path, module=module, layout=layout, canonical={})
 
 
 def test_hf_config_of_records_the_outermost_models_only():

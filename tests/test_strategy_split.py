@@ -30,7 +30,7 @@ from split_common import CausalLM, run_reference  # noqa: E402
 from worlds import script_main, world  # noqa: E402
 
 from lightning_pp.autosplit import meta_build  # noqa: E402
-from lightning_pp.checkpoint.sharded import consolidate_checkpoint  # noqa: E402
+from lightning_pp.checkpoint.consolidate import consolidate_checkpoint  # noqa: E402
 from lightning_pp.commands.cli import main as cli_main  # noqa: E402
 
 REL_TOL = 1e-5

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from .sharded import CheckpointError
+from .errors import CheckpointError
 
 __all__ = ["PendingSave", "checkpoint_group", "start_async_save"]
 

@@ -31,16 +31,16 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from .consolidate import checkpoint_meta, consolidated_state_dict
+from .errors import CheckpointError
 from .hf_record import HF_META_KEY, hf_config_of
-from .sharded import CheckpointError, consolidated_state_dict, load_metadata, read_index
 
 __all__ = ["HF_META_KEY", "export_hf", "hf_config_of", "hf_record_of"]
 
 
 def _checkpoint_meta(path: Path) -> dict[str, Any]:
-    """Lightning's metadata of a checkpoint directory (loaded without running pickled code)."""
-    index = read_index(path)
-    return load_metadata(path / index["meta_file"], weights_only=True)
+    """Lightning's metadata of a checkpoint directory, either format (no pickled code runs)."""
+    return checkpoint_meta(path, weights_only=True)
 
 
 def hf_record_of(path: str | os.PathLike, submodule: str | None = None) -> tuple[str, dict]:

@@ -36,7 +36,7 @@ from typing import Any
 from torch import Tensor
 from torch.optim import Optimizer
 
-from .sharded import CheckpointError
+from .errors import CheckpointError
 
 __all__ = [
     "SCHEDULED_KEYS",

@@ -17,7 +17,7 @@ from typing import Any
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from typing_extensions import override
 
-from .sharded import consolidate_checkpoint, module_from_checkpoint
+from .consolidate import consolidate_checkpoint, module_from_checkpoint
 
 __all__ = ["PipelineCheckpointIO"]
 
@@ -47,7 +47,8 @@ class PipelineCheckpointIO(TorchCheckpointIO):
             default: the class recorded at save time (a class defined in the running script,
             ``__main__:Class``, is accepted here).
 
-    Trust: ``meta.pt`` is read with ``weights_only=True`` and lightning_pp's allow-list unless
+    Trust: nothing in the directory is unpickled (DCP format). A version-1 directory's
+    ``meta.pt`` is read with ``weights_only=True`` and lightning_pp's allow-list unless
     ``trainer.fit(..., weights_only=False)`` is passed (see docs/checkpoints.md, "Trust").
     """
 

@@ -1,6 +1,11 @@
-"""Sharded pipeline checkpoints: each stage saves what it holds, any shape loads it back.
+"""The version-1 checkpoint format: its reader, kept for one release, and its writer.
 
-A checkpoint is a **directory** (ModelCheckpoint's ``epoch=0-step=5.ckpt`` becomes a folder)::
+Saves now write the DCP format (:mod:`.dcp_format`); this module still reads directories
+written before it (:mod:`.strategy_io` and :mod:`.consolidate` dispatch here when a directory
+holds ``index.json`` and no ``complete.json``). Its writer, :func:`save_sharded_checkpoint`,
+stays for the tests of the reader. To be removed one release after the switch.
+
+A version-1 checkpoint is a **directory** (``epoch=0-step=5.ckpt`` is a folder)::
 
     step=5.ckpt/
       model.pp0.pt   ...  model.pp{P-1}.pt   parameters/buffers of one stage, by original name
@@ -29,7 +34,6 @@ Example::
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import pickle
@@ -46,6 +50,17 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from .._lightning_compat import configure_optimizers_and_schedulers, load_file
+from .by_name import (
+    adapt_scheduler_state,
+    optimizer_state_by_name,
+    tied_canonical_names,
+)
+from .by_name import canonical_names as _canonical
+from .by_name import natural_key as _natural_key
+from .by_name import param_names as _param_names
+from .by_name import positional_optimizer_state as _optimizer_state_for
+from .directory import PARTIAL, fsync_dir, new_partial_dir, publish, remove_checkpoint_dir
+from .errors import CheckpointError  # re-exported: older code imports it from here
 
 __all__ = [
     "CheckpointError",
@@ -55,16 +70,13 @@ __all__ = [
     "consolidate_checkpoint",
     "is_pipeline_checkpoint",
     "META_SAFE_GLOBALS",
-    "module_from_checkpoint",
     "load_metadata",
     "load_model_shard",
     "load_optimizer_shard",
     "load_pipeline_checkpoint",
     "optimizer_state_by_name",
-    "module_optimizer_state",
     "read_index",
     "remove_checkpoint_dir",
-    "save_pipeline_checkpoint",
     "save_sharded_checkpoint",
     "tied_canonical_names",
 ]
@@ -73,157 +85,7 @@ FORMAT = "lightning_pp.sharded_checkpoint"
 VERSION = 1
 INDEX_FILE = "index.json"
 META_FILE = "meta.pt"
-_PARTIAL = ".partial-"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint directory is missing, incomplete, or does not match the model."""
-
-
-# ---------------------------------------------------------------------------------- naming
-def tied_canonical_names(module: nn.Module, layers: nn.Module) -> dict[str, str]:
-    """Map every tied member's full name to its group's canonical (first) full name.
-
-    ``layers.tied`` holds names relative to the container (``"0.wte.weight"``); the module's
-    ``state_dict`` keys carry the container's prefix (``"layers.0.wte.weight"``).
-    """
-    prefix = next((n for n, m in module.named_modules() if m is layers), None)
-    if prefix is None:
-        raise ValueError("the PipelineLayers container is not a submodule of the module")
-    full = (lambda n: f"{prefix}.{n}") if prefix else (lambda n: n)
-    mapping: dict[str, str] = {}
-    for group in getattr(layers, "tied", ()):
-        canonical = full(group[0])
-        for name in group:
-            mapping[full(name)] = canonical
-    return mapping
-
-
-def _param_names(module: nn.Module, canonical: Mapping[str, str]) -> dict[int, tuple[str, bool]]:
-    """``id(param) -> (canonical name, whether this process holds the canonical copy)``."""
-    names: dict[int, list[str]] = {}
-    for name, p in module.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(name)
-    out = {}
-    for pid, ns in names.items():
-        cname = canonical.get(ns[0], ns[0])
-        out[pid] = (cname, cname in ns)
-    return out
-
-
-# ---------------------------------------------------------------------------------- optimizer
-def optimizer_state_by_name(
-    optimizer: Optimizer, module: nn.Module, canonical: Mapping[str, str] | None = None
-) -> dict[str, Any]:
-    """The optimizer's state keyed by parameter NAME instead of position.
-
-    Returns ``{"state": {name: {...}}, "param_groups": [hyperparameters, ...], "group_of":
-    {name: group index}}``. Only parameters whose canonical copy this process holds are included
-    (a tied copy held elsewhere is saved by its owner; the copies' states are identical).
-    Positions differ between pipeline shapes (each stage has its own optimizer); names do not.
-    """
-    ids = _param_names(module, canonical or {})
-    sd = optimizer.state_dict()
-    index_to_param = [p for g in optimizer.param_groups for p in g["params"]]
-    state: dict[str, Any] = {}
-    group_of: dict[str, int] = {}
-    groups = []
-    for gi, group in enumerate(sd["param_groups"]):
-        groups.append({k: v for k, v in group.items() if k != "params"})
-        for idx in group["params"]:
-            p = index_to_param[idx]
-            if id(p) not in ids:
-                raise CheckpointError(
-                    f"optimizer parameter #{idx} (shape {tuple(p.shape)}) is not a parameter of "
-                    f"{type(module).__name__}; cannot name its state"
-                )
-            name, owner = ids[id(p)]
-            if not owner:
-                continue
-            group_of[name] = gi
-            if idx in sd["state"]:
-                state[name] = sd["state"][idx]
-    return {"state": state, "param_groups": groups, "group_of": group_of}
-
-
-def _optimizer_state_for(
-    optimizer: Optimizer,
-    names: Mapping[int, tuple[str, bool]],
-    saved: Mapping[str, Any],
-    what: str,
-) -> dict[str, Any]:
-    """Positional ``optimizer.state_dict()`` form built from name-keyed ``saved`` entries.
-
-    ``saved``: merged ``{"state": {...}, "group_of": {name: (file, group hyperparameters)}}``.
-    """
-    state: dict[int, Any] = {}
-    groups = []
-    idx = 0
-    missing = []
-    for group in optimizer.param_groups:
-        hyper: dict[str, Any] | None = None
-        params = []
-        for p in group["params"]:
-            name = names[id(p)][0]
-            if name not in saved["group_of"]:
-                missing.append(name)
-            else:
-                theirs = saved["group_of"][name]
-                if hyper is None:
-                    hyper, first = theirs, name
-                elif not _same_hyper(hyper, theirs):
-                    raise CheckpointError(
-                        f"{what}: param group {len(groups)} holds {first!r} and {name!r}, which "
-                        f"were saved in groups with different hyperparameters "
-                        f"({_hyper_diff(hyper, theirs)}); group the parameters as when saving"
-                    )
-                if name in saved["state"]:
-                    state[idx] = {
-                        k: v.clone() if isinstance(v, Tensor) else v
-                        for k, v in saved["state"][name].items()
-                    }
-            params.append(idx)
-            idx += 1
-        current = {k: v for k, v in group.items() if k != "params"}
-        groups.append({**current, **(hyper or {}), "params": params})
-    if missing:
-        raise CheckpointError(
-            f"{what}: no optimizer state for {len(missing)} parameter(s): {missing[:5]}"
-            f"{' ...' if len(missing) > 5 else ''}"
-        )
-    return {"state": state, "param_groups": groups}
-
-
-def _same_value(a: Any, b: Any) -> bool:
-    if isinstance(a, Tensor) or isinstance(b, Tensor):
-        return torch.equal(torch.as_tensor(a), torch.as_tensor(b))
-    return a == b
-
-
-def _same_hyper(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
-    return a.keys() == b.keys() and all(_same_value(a[k], b[k]) for k in a)
-
-
-def _hyper_diff(a: Mapping[str, Any], b: Mapping[str, Any]) -> str:
-    keys = sorted(k for k in a.keys() | b.keys() if not _same_value(a.get(k), b.get(k)))
-    return ", ".join(f"{k}: {a.get(k)!r} vs {b.get(k)!r}" for k in keys)
-
-
-def adapt_scheduler_state(state: dict[str, Any], optimizer: Optimizer) -> dict[str, Any]:
-    """Fit a saved LR-scheduler state to THIS optimizer's param groups.
-
-    Schedulers keep per-group lists (``base_lrs``, ``_last_lr``) whose length is the number of
-    groups of the optimizer that saved them; another pipeline stage (or the unpipelined module) may
-    have a different number. They are rebuilt from the restored groups, which carry
-    ``initial_lr`` (what ``base_lrs`` is made from) and ``lr`` (the last computed rate).
-    """
-    state = dict(state)
-    groups = optimizer.param_groups
-    if "base_lrs" in state and all("initial_lr" in g for g in groups):
-        state["base_lrs"] = [g["initial_lr"] for g in groups]
-    if "_last_lr" in state:
-        state["_last_lr"] = [g["lr"] for g in groups]
-    return state
+_PARTIAL = PARTIAL
 
 
 # ---------------------------------------------------------------------------------- files
@@ -233,19 +95,6 @@ def _save_file(obj: Any, path: Path) -> None:
         torch.save(obj, f)
         f.flush()
         os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def is_pipeline_checkpoint(path: str | os.PathLike) -> bool:
@@ -586,11 +435,7 @@ def save_sharded_checkpoint(
     rank = dist.get_rank() if _dist() else 0
     tmp: Path | None = None
     if rank == 0:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        for stale in path.parent.glob(f".{path.name}{_PARTIAL}*"):  # earlier crashed saves
-            shutil.rmtree(stale, ignore_errors=True)
-        tmp = path.parent / f".{path.name}{_PARTIAL}{secrets.token_hex(4)}"
-        tmp.mkdir()
+        tmp = new_partial_dir(path)
     tmp = Path(_broadcast(str(tmp)))
 
     state_dict = checkpoint.pop("state_dict", {})
@@ -634,7 +479,7 @@ def save_sharded_checkpoint(
             "optim_files": {f"optim.{r['tag']}.pt": r["optim"] for r in writers if "optim" in r},
         }
         _write_index(tmp, index)
-        _publish(tmp, path)
+        publish(tmp, path)
     _barrier(barrier)  # nobody returns before the final directory exists
     return path
 
@@ -656,22 +501,7 @@ def _write_index(directory: Path, index: dict[str, Any]) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, directory / INDEX_FILE)
-    _fsync_dir(directory)
-
-
-def _publish(tmp: Path, path: Path) -> None:
-    """Rename the finished directory into place (replacing an older checkpoint of that name)."""
-    old = None
-    if path.is_symlink() or path.is_file():
-        path.unlink()
-    elif path.exists():
-        # os.replace cannot overwrite a non-empty directory: move the old one aside first
-        old = path.parent / f".{path.name}.old-{secrets.token_hex(4)}"
-        os.replace(path, old)
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    fsync_dir(directory)
 
 
 # ---------------------------------------------------------------------------------- loading
@@ -768,40 +598,6 @@ def _shape(index: Mapping[str, Any]) -> str:
 # ---------------------------------------------------------------------------------- one rank
 # What PipelineStrategy.save_checkpoint / load_checkpoint / optimizer_state call: plain values in
 # (this rank's place, the run's layout), nothing of the strategy.
-def save_pipeline_checkpoint(
-    checkpoint: dict[str, Any],
-    path: str | os.PathLike,
-    *,
-    module: nn.Module,
-    pp_rank: int,
-    dp_rank: int,
-    layout: Mapping[str, Any],
-    barrier: Callable[[], None] | None = None,
-    canonical: Mapping[str, str] | None = None,
-) -> Path:
-    """Collective: write this rank's shard of a Lightning ``checkpoint`` into directory ``path``.
-
-    Only ``dp_rank == 0`` of each pipeline rank writes tensors (replicas are identical). The
-    module's class is recorded so ``lightning-pp consolidate --lightning`` can rebuild the
-    unpipelined module.
-    """
-    from .hf_record import hf_config_of
-
-    cls = type(module)
-    checkpoint["lightning_pp"] = {"module_class": f"{cls.__module__}:{cls.__qualname__}"}
-    hf = hf_config_of(module)
-    if hf is not None:  # what ``consolidate --hf`` needs to write a save_pretrained directory
-        checkpoint["lightning_pp"]["hf"] = hf
-    return save_sharded_checkpoint(
-        checkpoint,
-        path,
-        tag=f"pp{pp_rank}" if dp_rank == 0 else None,
-        canonical=_canonical(module, canonical),
-        layout=layout,
-        barrier=barrier,
-    )
-
-
 def load_pipeline_checkpoint(
     path: str | os.PathLike,
     module: Any,
@@ -855,30 +651,6 @@ def load_pipeline_checkpoint(
     return meta
 
 
-def module_optimizer_state(
-    optimizer: Optimizer, module: Any, canonical: Mapping[str, str] | None = None
-) -> dict[str, Any]:
-    """:func:`optimizer_state_by_name` for a module with pipeline layers (tied names resolved)."""
-    return optimizer_state_by_name(optimizer, module, _canonical(module, canonical))
-
-
-def _canonical(module: Any, canonical: Mapping[str, str] | None) -> Mapping[str, str]:
-    """Tied member -> stored name: as given (a split model's ties), else from the module's
-    :class:`~lightning_pp.strategy.model.PipelineLayers`."""
-    if canonical is not None:
-        return canonical
-    return tied_canonical_names(module, module.pipeline_layers())
-
-
-def remove_checkpoint_dir(path: str | os.PathLike) -> None:
-    """Delete a checkpoint directory (or a file, or a dangling link) if it exists."""
-    path = Path(path)
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    elif path.exists() or path.is_symlink():
-        path.unlink()
-
-
 # ---------------------------------------------------------------------------------- consolidate
 def consolidated_state_dict(
     path: str | os.PathLike, submodule: str | None = None
@@ -904,10 +676,6 @@ def consolidated_state_dict(
         if not state:
             raise CheckpointError(f"checkpoint {str(path)!r} holds no keys under {prefix!r}")
     return dict(sorted(state.items(), key=lambda kv: _natural_key(kv[0])))
-
-
-def _natural_key(name: str) -> list[Any]:
-    return [int(t) if t.isdigit() else t for t in name.split(".")]
 
 
 def consolidate_checkpoint(
@@ -985,52 +753,3 @@ def _lightning_checkpoint(
                 for s, cfg in zip(meta["lr_schedulers"], scheduler_configs)
             ]
     return ckpt
-
-
-def module_from_checkpoint(
-    path: str | os.PathLike,
-    class_path: str | type | None = None,
-    *,
-    weights_only: bool = True,
-    allow_main: bool = False,
-) -> Any:
-    """Instantiate the unpipelined LightningModule a checkpoint was written from.
-
-    The class is ``class_path`` (a class, or ``"package.module:Class"``), else the one recorded at
-    save time; it is called with the saved hyperparameters. Trust: importing a module runs its
-    top-level code, so only a class that is a ``LightningModule`` subclass is called, and a
-    recorded class is imported only when its module is importable here (installed or on the
-    path). ``allow_main``: accept a class recorded from a script (``__main__:Class``), which
-    resolves only inside that same script (the CLI refuses it).
-    """
-    from lightning.pytorch import LightningModule
-
-    path = Path(path)
-    index = read_index(path)
-    meta = load_metadata(path / index["meta_file"], weights_only=weights_only)
-    if class_path is None:
-        class_path = meta.get("lightning_pp", {}).get("module_class")
-        if class_path is None:
-            raise CheckpointError(f"{path / index['meta_file']} does not record its module class")
-    if isinstance(class_path, str):
-        module_name, _, qualname = class_path.partition(":")
-        if not qualname:
-            raise ValueError(
-                f"a module class must look like 'package.module:Class', got {class_path!r}"
-            )
-        if module_name == "__main__" and not allow_main:
-            raise ValueError(
-                f"the module class was defined in a script ({class_path}); name an importable "
-                "class instead (pkg.mod:Class)"
-            )
-        cls: Any = importlib.import_module(module_name)
-        for part in qualname.split("."):
-            cls = getattr(cls, part)
-    else:
-        cls = class_path
-    if not (isinstance(cls, type) and issubclass(cls, LightningModule)):
-        raise CheckpointError(
-            f"{class_path!r} (from {path / index['meta_file']}) is not a LightningModule class; "
-            "refusing to call it with the checkpoint's hyperparameters"
-        )
-    return cls(**dict(meta.get("hyper_parameters", {})))

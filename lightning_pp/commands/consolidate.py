@@ -88,17 +88,16 @@ def _fail(message: str) -> int:
 
 def build_module(checkpoint_dir: str, class_path: str | None = None, trust: bool = False) -> Any:
     """Instantiate the unpipelined LightningModule from the checkpoint's class and hparams."""
-    from lightning_pp.checkpoint.sharded import module_from_checkpoint
+    from lightning_pp.checkpoint.consolidate import module_from_checkpoint
 
     return module_from_checkpoint(checkpoint_dir, class_path, weights_only=not trust)
 
 
-def _export_hf(checkpoint: str, out: str, submodule: str | None, index: dict) -> None:
+def _export_hf(checkpoint: str, out: str, submodule: str | None, lay: dict) -> None:
     from lightning_pp.checkpoint.hf_export import export_hf, hf_record_of
 
     name, record = hf_record_of(checkpoint, submodule)
     export_hf(checkpoint, out, name)
-    lay = index["layout"]
     print(
         f"wrote {out}: {record['class']} ({name!r} of the LightningModule) from a pp={lay['pp']} "
         f"vpp={lay['vpp']} dp={lay['dp']} checkpoint; load it with "
@@ -107,16 +106,17 @@ def _export_hf(checkpoint: str, out: str, submodule: str | None, index: dict) ->
 
 
 def run(args: argparse.Namespace) -> int:
-    from lightning_pp.checkpoint.sharded import CheckpointError, consolidate_checkpoint, read_index
+    from lightning_pp.checkpoint.consolidate import checkpoint_layout, consolidate_checkpoint
+    from lightning_pp.checkpoint.errors import CheckpointError
 
     if args.output is None and args.hf is None:
         return _fail("give an output file, --hf DIR, or both")
     if args.hf is not None and args.lightning:
         return _fail("--hf writes a Hugging Face directory; it cannot go with --lightning")
     try:
-        index = read_index(args.checkpoint)
+        lay = checkpoint_layout(args.checkpoint)
         if args.hf is not None:
-            _export_hf(args.checkpoint, args.hf, args.submodule, index)
+            _export_hf(args.checkpoint, args.hf, args.submodule, lay)
             if args.output is None:
                 return 0
         module = (
@@ -137,7 +137,6 @@ def run(args: argparse.Namespace) -> int:
         return _fail(str(exc))
     state = result["state_dict"] if args.lightning else result
     numel = sum(v.numel() for v in state.values() if hasattr(v, "numel"))
-    lay = index["layout"]
     print(
         f"wrote {args.output}: {len(state)} tensors ({numel:,} values) from a pp={lay['pp']} "
         f"vpp={lay['vpp']} dp={lay['dp']} checkpoint"

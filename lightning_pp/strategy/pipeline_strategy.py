@@ -45,10 +45,10 @@ from typing_extensions import override
 
 from .. import _lightning_compat as compat
 from ..autosplit.split import SplitError
-from ..checkpoint.sharded import (
+from ..checkpoint.directory import remove_checkpoint_dir
+from ..checkpoint.strategy_io import (
     load_pipeline_checkpoint,
     module_optimizer_state,
-    remove_checkpoint_dir,
     save_pipeline_checkpoint,
 )
 from ..layout.partition import PipelineChunk
@@ -496,8 +496,8 @@ class PipelineStrategy(ProcessGroupStrategy):
             self.last_record = run.record
 
     # ------------------------------------------------------------------ checkpoints
-    # A checkpoint is a directory: every stage writes its own tensors by original name, rank 0
-    # Lightning's metadata (format and bodies: lightning_pp/checkpoint.py, docs/checkpoints.md).
+    # A checkpoint is a directory: every rank passes its own tensors by original name to DCP,
+    # rank 0 writes Lightning's metadata (lightning_pp/checkpoint/, docs/checkpoints.md).
     # It is loaded after setup, so each rank (of any later shape) reads only its own layers.
     @property
     @override
@@ -520,8 +520,8 @@ class PipelineStrategy(ProcessGroupStrategy):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
     ) -> None:
-        """Collective: write this rank's shard into the checkpoint directory ``filepath`` (rank
-        0's path, so every rank writes into the same directory)."""
+        """Collective: write this rank's tensors into the checkpoint directory ``filepath``
+        (rank 0's path, so every rank writes into the same directory), DCP format."""
         if storage_options is not None:
             raise TypeError(
                 "PipelineStrategy.save_checkpoint(..., storage_options=...) is not supported: "
@@ -532,10 +532,7 @@ class PipelineStrategy(ProcessGroupStrategy):
             checkpoint,
             self.broadcast(str(filepath)),
             module=self.lightning_module,
-            pp_rank=topo.pp_rank,
-            dp_rank=topo.dp_rank,
             layout={**placement.layout(), "dp": topo.dp, "world_size": self.world_size},
-            barrier=self.barrier,
             canonical=self._stored_names(),
         )
 

@@ -8,7 +8,7 @@ the moment one rank dies)::
 
 A phase: {"name", "pp", "vpp", "microbatches", "max_steps", "every" (save every N steps into
 "ckpt_dir"), "resume" (ckpt_path for fit), "best_dir" (ModelCheckpoint on val_loss, top-1),
-"fail_rank"/"fail_save" (that rank dies inside its Nth optimizer-file write)}. ``"pp": 0`` runs
+"fail_rank"/"fail_save" (that rank dies inside its Nth checkpoint data write)}. ``"pp": 0`` runs
 the plain single-process Trainer (no strategy); with ``"pipeline_io": true`` it gets
 ``plugins=[PipelineCheckpointIO()]`` (resume from a pipeline checkpoint directory).
 Output: DIR/<name>.rank<r>.json.
@@ -22,6 +22,7 @@ from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
 
 torch.set_num_threads(1)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -30,7 +31,6 @@ import lightning as L  # noqa: E402
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 from pp_common import GLOBAL_BATCH, MODEL_KW, Data, Recorder, configs_main, dump  # noqa: E402
 
-import lightning_pp.checkpoint.sharded as ckpt_mod  # noqa: E402
 from lightning_pp import PipelineStrategy  # noqa: E402
 from lightning_pp.models import GPT  # noqa: E402
 
@@ -53,21 +53,22 @@ class LRProbe(Callback):
 
 
 def _inject_failure(rank: int, fail_rank: int, fail_save: int) -> None:
-    """Make ``fail_rank`` die (os._exit) half-way through its ``fail_save``-th optimizer file."""
-    real = ckpt_mod._save_file
+    """Make ``fail_rank`` die (os._exit) inside its ``fail_save``-th DCP data write, after
+    writing half of its file: the other ranks' data may be complete, the marker is not."""
+    real = dcp.FileSystemWriter.write_data
     count = {"n": 0}
 
-    def save_file(obj: Any, path: Any) -> None:
-        if rank == fail_rank and os.path.basename(str(path)).startswith("optim."):
+    def write_data(self: Any, plan: Any, planner: Any) -> Any:
+        if rank == fail_rank:
             count["n"] += 1
             if count["n"] == fail_save:
-                with open(path, "wb") as f:
+                with open(os.path.join(str(self.path), f"__{rank}_0.distcp"), "wb") as f:
                     f.write(b"half a file")
                     f.flush()
                 os._exit(17)
-        real(obj, path)
+        return real(self, plan, planner)
 
-    ckpt_mod._save_file = save_file
+    dcp.FileSystemWriter.write_data = write_data
 
 
 def _pipeline_io() -> Any:
