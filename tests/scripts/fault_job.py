@@ -13,8 +13,8 @@ signals every task).
 
 With ``fault=ckpt-stop`` (``ckpt-kill``) a checkpoint is saved every 3 steps, and in the first
 one after ``$FAULT_DIR/go`` exists global rank 0 stops (kills) itself in the middle of the save:
-while it writes the metadata file, after every rank has written its shard, when the others
-wait for it in the save's gather. It writes ``fault.0`` just before.
+while it writes the metadata, after every rank passed its tensors to DCP, when the others wait
+for it in the save's closing collective. It writes ``fault.0`` just before.
 """
 
 from __future__ import annotations
@@ -32,29 +32,30 @@ from lightning_pp.models import GPT
 from lightning_pp.strategy.pipeline_strategy import PipelineStrategy
 
 
-class _SignalWhenPickled:
-    """Pickled by rank 0's save of the checkpoint's metadata: signals rank 0 there."""
-
-    def __init__(self, out: str, sig: signal.Signals) -> None:
-        self.out, self.sig = out, sig
-
-    def __reduce__(self):
-        with open(os.path.join(self.out, "fault.0"), "w") as f:
-            f.write(str(os.getpid()))
-        os.kill(os.getpid(), self.sig)
-        return (dict, ())
-
-
 class FaultInSave(Callback):
-    """Rank 0 puts a :class:`_SignalWhenPickled` into the first checkpoint saved after the test
-    said ``go``."""
+    """In the first checkpoint saved after the test said ``go``, rank 0 signals itself while it
+    writes the checkpoint's metadata (``meta.json``): after every rank passed its tensors to
+    DCP, while the others wait for rank 0 in the save's closing collective. (Checkpoints hold no
+    pickle, so the fault is a wrapper around rank 0's metadata write, not an object in the
+    metadata.)"""
 
     def __init__(self, out: str, sig: signal.Signals) -> None:
         self.out, self.sig = out, sig
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
-        if trainer.global_rank == 0 and os.path.exists(os.path.join(self.out, "go")):
-            checkpoint["fault"] = _SignalWhenPickled(self.out, self.sig)
+        if trainer.global_rank != 0 or not os.path.exists(os.path.join(self.out, "go")):
+            return
+        from lightning_pp.checkpoint import dcp_save
+
+        write_meta = dcp_save.write_meta
+
+        def write_meta_then_signal(directory, meta):
+            with open(os.path.join(self.out, "fault.0"), "w") as f:
+                f.write(str(os.getpid()))
+            os.kill(os.getpid(), self.sig)
+            return write_meta(directory, meta)
+
+        dcp_save.write_meta = write_meta_then_signal
 
 
 class Ready(Callback):
