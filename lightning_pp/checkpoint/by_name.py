@@ -24,7 +24,7 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -35,6 +35,8 @@ from .errors import CheckpointError
 
 __all__ = [
     "adapt_scheduler_state",
+    "adapt_scheduler_states",
+    "describe_layout",
     "canonical_names",
     "natural_key",
     "optimizer_state_by_name",
@@ -188,6 +190,19 @@ def adapt_scheduler_state(state: dict[str, Any], optimizer: Optimizer) -> dict[s
     if "_last_lr" in state:
         state["_last_lr"] = [g["lr"] for g in groups]
     return state
+
+
+def adapt_scheduler_states(states: Sequence[dict[str, Any]], configs: Sequence[Any]) -> list:
+    """:func:`adapt_scheduler_state` for each saved scheduler state, fitted to the optimizer of
+    the matching Lightning scheduler config (``config.scheduler.optimizer``)."""
+    return [adapt_scheduler_state(s, cfg.scheduler.optimizer) for s, cfg in zip(states, configs)]
+
+
+def describe_layout(layout: Mapping[str, Any], sep: str = ", ") -> str:
+    """``"pp=2, vpp=1, dp=2"``: the shape that wrote a checkpoint, for messages (the keys it
+    lacks are left out; ``"unknown shape"`` when it has none)."""
+    shown = [f"{k}={layout[k]}" for k in ("pp", "vpp", "dp") if k in layout]
+    return sep.join(shown) or "unknown shape"
 
 
 def canonical_names(module: Any, canonical: Mapping[str, str] | None) -> Mapping[str, str]:

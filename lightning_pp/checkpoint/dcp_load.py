@@ -29,7 +29,13 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from .agree import broadcast_first, gather_all, group_rank, report_errors
-from .by_name import adapt_scheduler_state, natural_key, param_names, positional_optimizer_state
+from .by_name import (
+    adapt_scheduler_states,
+    describe_layout,
+    natural_key,
+    param_names,
+    positional_optimizer_state,
+)
 from .dcp_meta import empty_from_spec, read_dcp_checkpoint_meta
 from .dcp_safe import safe_dcp_load
 from .errors import CheckpointError
@@ -54,11 +60,6 @@ def _agreed_meta(path: Path, process_group: ProcessGroup) -> dict[str, Any]:
     return meta
 
 
-def _shape_of(meta: Mapping[str, Any]) -> str:
-    lay = meta.get("layout", {})
-    return ", ".join(f"{k}={lay[k]}" for k in ("pp", "vpp", "dp") if k in lay) or "unknown shape"
-
-
 def _model_request(
     module: nn.Module, canonical: Mapping[str, str], meta: Mapping[str, Any], strict: bool
 ) -> tuple[dict[str, Tensor], dict[str, str]]:
@@ -81,8 +82,9 @@ def _model_request(
     if wrong:
         raise CheckpointError(f"{len(wrong)} tensor(s) differ in shape: {wrong[:5]}")
     if missing and strict:
+        shape = describe_layout(meta.get("layout", {}))
         raise CheckpointError(
-            f"the checkpoint (saved at {_shape_of(meta)}) has no tensors for {len(missing)} "
+            f"the checkpoint (saved at {shape}) has no tensors for {len(missing)} "
             f"name(s) of this rank: {missing[:5]}{' ...' if len(missing) > 5 else ''}"
         )
     return request, wanted
@@ -201,10 +203,9 @@ def load_dcp_checkpoint(
         )
     lightning = dict(meta["lightning"])
     if optimizers is not None and "lr_schedulers" in lightning:
-        lightning["lr_schedulers"] = [
-            adapt_scheduler_state(state, cfg.scheduler.optimizer)
-            for state, cfg in zip(lightning["lr_schedulers"], scheduler_configs)
-        ]
+        lightning["lr_schedulers"] = adapt_scheduler_states(
+            lightning["lr_schedulers"], scheduler_configs
+        )
     return lightning
 
 

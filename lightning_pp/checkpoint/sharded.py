@@ -51,7 +51,9 @@ from torch.optim import Optimizer
 
 from .._lightning_compat import configure_optimizers_and_schedulers, load_file
 from .by_name import (
-    adapt_scheduler_state,
+    adapt_scheduler_state,  # noqa: F401  (re-exported)
+    adapt_scheduler_states,
+    describe_layout,
     optimizer_state_by_name,
     tied_canonical_names,
 )
@@ -523,8 +525,9 @@ def load_model_shard(
     wanted = {k: canonical.get(k, k) for k in module.state_dict()}
     missing = sorted(k for k, c in wanted.items() if c not in where)
     if missing and strict:
+        shape = describe_layout(index.get("layout", {}))
         raise CheckpointError(
-            f"checkpoint {str(path)!r} (saved at {_shape(index)}) has no tensors for "
+            f"checkpoint {str(path)!r} (saved at {shape}) has no tensors for "
             f"{len(missing)} name(s) of this rank: {missing[:5]}"
             f"{' ...' if len(missing) > 5 else ''}"
         )
@@ -590,11 +593,6 @@ def load_optimizer_shard(
         optimizer.load_state_dict(sd)
 
 
-def _shape(index: Mapping[str, Any]) -> str:
-    lay = index.get("layout", {})
-    return ", ".join(f"{k}={lay[k]}" for k in ("pp", "vpp", "dp") if k in lay) or "unknown shape"
-
-
 # ---------------------------------------------------------------------------------- one rank
 # What PipelineStrategy.save_checkpoint / load_checkpoint / optimizer_state call: plain values in
 # (this rank's place, the run's layout), nothing of the strategy.
@@ -644,10 +642,7 @@ def load_pipeline_checkpoint(
             )
     meta = load_metadata(Path(path) / index["meta_file"], weights_only=weights_only)
     if optimizers is not None and "lr_schedulers" in meta:
-        meta["lr_schedulers"] = [
-            adapt_scheduler_state(state, cfg.scheduler.optimizer)
-            for state, cfg in zip(meta["lr_schedulers"], scheduler_configs)
-        ]
+        meta["lr_schedulers"] = adapt_scheduler_states(meta["lr_schedulers"], scheduler_configs)
     return meta
 
 
@@ -748,8 +743,5 @@ def _lightning_checkpoint(
             opt_states.append(optimizer.state_dict())
         ckpt["optimizer_states"] = opt_states
         if "lr_schedulers" in meta:
-            ckpt["lr_schedulers"] = [
-                adapt_scheduler_state(s, cfg.scheduler.optimizer)
-                for s, cfg in zip(meta["lr_schedulers"], scheduler_configs)
-            ]
+            ckpt["lr_schedulers"] = adapt_scheduler_states(meta["lr_schedulers"], scheduler_configs)
     return ckpt

@@ -94,18 +94,20 @@ def build_module(checkpoint_dir: str, class_path: str | None = None, trust: bool
 
 
 def _export_hf(checkpoint: str, out: str, submodule: str | None, lay: dict) -> None:
+    from lightning_pp.checkpoint.by_name import describe_layout
     from lightning_pp.checkpoint.hf_export import export_hf, hf_record_of
 
     name, record = hf_record_of(checkpoint, submodule)
     export_hf(checkpoint, out, name)
     print(
-        f"wrote {out}: {record['class']} ({name!r} of the LightningModule) from a pp={lay['pp']} "
-        f"vpp={lay['vpp']} dp={lay['dp']} checkpoint; load it with "
+        f"wrote {out}: {record['class']} ({name!r} of the LightningModule) from a "
+        f"{describe_layout(lay, ' ')} checkpoint; load it with "
         f"AutoModelForCausalLM.from_pretrained({out!r})"
     )
 
 
 def run(args: argparse.Namespace) -> int:
+    from lightning_pp.checkpoint.by_name import describe_layout
     from lightning_pp.checkpoint.consolidate import checkpoint_layout, consolidate_checkpoint
     from lightning_pp.checkpoint.errors import CheckpointError
 
@@ -138,8 +140,8 @@ def run(args: argparse.Namespace) -> int:
     state = result["state_dict"] if args.lightning else result
     numel = sum(v.numel() for v in state.values() if hasattr(v, "numel"))
     print(
-        f"wrote {args.output}: {len(state)} tensors ({numel:,} values) from a pp={lay['pp']} "
-        f"vpp={lay['vpp']} dp={lay['dp']} checkpoint"
+        f"wrote {args.output}: {len(state)} tensors ({numel:,} values) from a "
+        f"{describe_layout(lay, ' ')} checkpoint"
         + (" with optimizer and scheduler state" if args.lightning else "")
     )
     return 0
