@@ -38,11 +38,16 @@ from pathlib import Path
 
 import pytest
 
-__all__ = ["check", "drain", "jobs_of_tests", "shutdown", "start", "summary"]
+__all__ = ["WAIT", "check", "drain", "jobs_of_tests", "shutdown", "start", "summary"]
 
 #: jobs at once. The foreground tests use about one core; two jobs fill the rest without
 #: starving either side (three, as the fault matrix ran alone, put 12+ processes on 2 cores).
 WORKERS = 2
+
+#: pytest-timeout of a test that reads a verdict (``@pytest.mark.timeout(background.WAIT)``):
+#: it may wait for every job queued before its own on a loaded 2-core machine. Each job keeps
+#: its own bounds (its start timeout, its watchdog) and kills what it started at its end.
+WAIT = 1800
 
 _pool: ThreadPoolExecutor | None = None
 _futures: dict[str, Future] = {}

@@ -108,7 +108,7 @@ def background_jobs(items, tmp_path_factory) -> dict:
     return background.jobs_of_tests(items, tmp_path_factory, table)
 
 
-@pytest.mark.timeout(1800)  # may wait for the background jobs queued before its own
+@pytest.mark.timeout(background.WAIT)
 def test_strategy_overhead_script():
     print(background.check("test_strategy_overhead_script"))
 
@@ -198,7 +198,7 @@ def _split_backward_cost_script(tmp_path) -> str:
     return "every mode measured"
 
 
-@pytest.mark.timeout(1800)  # may wait for the background jobs queued before its own
+@pytest.mark.timeout(background.WAIT)
 def test_split_backward_cost_script():
     print(background.check("test_split_backward_cost_script"))
 

@@ -33,9 +33,6 @@ from jobs import free_port, kill_job, start_job
 REPO = Path(__file__).resolve().parents[1]
 DEMO = "configs/demo_cpu.yaml"
 GPU_TEMPLATE = "configs/gpt_1b_pp4_vpp2.yaml"
-#: pytest-timeout of a test that reads a background run (tests/background.py): it may wait for
-#: the jobs queued before it; each run keeps its own timeout (400 s) and is killed at its end.
-JOB_WAIT_TIMEOUT = 1800
 
 
 def _env() -> dict[str, str]:
@@ -255,7 +252,7 @@ def _demo_run(name: str = "demo-launcher") -> SimpleNamespace:
     )
 
 
-@pytest.mark.timeout(JOB_WAIT_TIMEOUT)
+@pytest.mark.timeout(background.WAIT)
 def test_demo_at_toy_size_ends_with_validation_summary_and_pngs():
     demo_run = _demo_run()
     out, root = demo_run.out, demo_run.root
@@ -307,7 +304,7 @@ def test_demo_at_toy_size_ends_with_validation_summary_and_pngs():
     assert str(summary["loss_curve"]) in out and str(summary["timeline"]["png"]) in out
 
 
-@pytest.mark.timeout(JOB_WAIT_TIMEOUT)
+@pytest.mark.timeout(background.WAIT)
 def test_sample_merges_both_stages_on_rank_0():
     demo_run = _demo_run()
     # the sample is produced by merging both stages' weights on rank 0
@@ -318,7 +315,7 @@ def test_sample_merges_both_stages_on_rank_0():
     assert all(c in "\t\n" or " " <= c <= "~" for c in text), repr(text)
 
 
-@pytest.mark.timeout(JOB_WAIT_TIMEOUT)
+@pytest.mark.timeout(background.WAIT)
 def test_torchrun_two_nodes_script_gives_the_single_launchers_losses():
     """README's ``examples/torchrun_two_nodes.sh loopback CONFIG`` trains the demo to the same
     per-step losses (1e-6) as Lightning's launcher with devices=4."""

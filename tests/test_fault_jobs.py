@@ -124,12 +124,6 @@ class Job:
                 p.wait()
 
 
-#: pytest-timeout of a test that reads a background job's verdict: it may wait for the jobs
-#: queued before its own (tests/background.py runs two at a time) on a loaded 2-core machine.
-#: Each job keeps its own bounds (its start, the watchdog + 10 s) and is killed at its end.
-JOB_WAIT_TIMEOUT = 1800
-
-
 def _launch_lightning(job: Job, pp: int) -> None:
     cmd = [sys.executable, str(SCRIPTS / "fault_job.py"), str(pp), str(WATCHDOG)]
     job.start(cmd, _env(job.tmp))
@@ -185,7 +179,7 @@ def _middle_rank_case(job: Job, launcher: str, sig: signal.Signals, world: int, 
 MIDDLE_IDS = ["lightning-SIGKILL", "lightning-SIGSTOP", "torchrun-SIGKILL", "torchrun-SIGSTOP"]
 
 
-@pytest.mark.timeout(JOB_WAIT_TIMEOUT)
+@pytest.mark.timeout(background.WAIT)
 @pytest.mark.parametrize("case_id", MIDDLE_IDS)
 def test_a_killed_or_stopped_rank_ends_the_job_and_is_named(case_id):
     print(background.check(f"middle-{case_id}"))
@@ -267,17 +261,17 @@ def _slurm_sigterm_requeue(job: Job) -> str:
     return "saved, requeued once, every task exited 143"
 
 
-@pytest.mark.timeout(JOB_WAIT_TIMEOUT)
+@pytest.mark.timeout(background.WAIT)
 def test_sigterm_saves_a_checkpoint_and_exits_non_zero():
     print(background.check("sigterm-all"))
 
 
-@pytest.mark.timeout(JOB_WAIT_TIMEOUT)
+@pytest.mark.timeout(background.WAIT)
 def test_sigterm_to_one_rank_names_that_rank():
     print(background.check("sigterm-one-rank"))
 
 
-@pytest.mark.timeout(JOB_WAIT_TIMEOUT)
+@pytest.mark.timeout(background.WAIT)
 def test_slurm_sigterm_requeues_the_job_after_saving():
     print(background.check("sigterm-slurm"))
 
@@ -395,7 +389,7 @@ def _rank0_case(job: Job, launcher: str, signame: str, when: str, world: int) ->
 RANK0_IDS = [f"{launcher}-{sig}-{when}" for launcher, sig, when, _ in RANK0_CASES]
 
 
-@pytest.mark.timeout(JOB_WAIT_TIMEOUT)
+@pytest.mark.timeout(background.WAIT)
 @pytest.mark.parametrize("case_id", RANK0_IDS)
 def test_a_stopped_or_killed_rank_0_ends_the_job_and_is_named(case_id):
     print(background.check(f"rank0-{case_id}"))

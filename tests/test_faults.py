@@ -504,12 +504,12 @@ def background_jobs(items, tmp_path_factory) -> dict:
     return background.jobs_of_tests(items, tmp_path_factory, _TRAINER_JOBS)
 
 
-@pytest.mark.timeout(1800)  # may wait for the background jobs queued before it
+@pytest.mark.timeout(background.WAIT)
 def test_trainer_job_ends_when_a_callback_raises_on_one_rank():
     print(background.check("test_trainer_job_ends_when_a_callback_raises_on_one_rank"))
 
 
-@pytest.mark.timeout(1800)
+@pytest.mark.timeout(background.WAIT)
 def test_trainer_job_prints_the_cause_once():
     """Issue 13 item 8: a layer raising on rank 1 of 3 printed ~350 lines: three chained
     tracebacks from rank 1 and a ~100-line traceback from each of ranks 0 and 2 ending in their

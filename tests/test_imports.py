@@ -279,7 +279,7 @@ def background_jobs(items, tmp_path_factory) -> dict:
     return {name: functools.partial(_imports_in_dependency_order, order)}
 
 
-@pytest.mark.timeout(1800)  # may wait for the background jobs queued before its own
+@pytest.mark.timeout(background.WAIT)
 def test_every_module_imports_in_dependency_order():
     print(background.check("test_every_module_imports_in_dependency_order"))
 

@@ -359,7 +359,7 @@ def background_jobs(items, tmp_path_factory) -> dict:
     }
 
 
-@pytest.mark.timeout(1800)  # may wait for the background jobs queued before its own
+@pytest.mark.timeout(background.WAIT)
 @pytest.mark.parametrize("case", sorted(LAUNCHED_REFUSALS))
 def test_launched_fit_refuses_before_any_rank(case):
     print(background.check(f"launched-refusal-{case}"))

@@ -172,7 +172,7 @@ def test_four_processes_match_single_process(four_proc, references, cfg):
     _check_against_reference(ranks, references[cfg["accumulate"]])
 
 
-@pytest.mark.timeout(1800)  # may wait for the background jobs queued before its own
+@pytest.mark.timeout(background.WAIT)
 def test_lightning_launcher_matches_single_process(launcher_proc, references):
     _check_against_reference(launcher_proc["pp2"], references[1])
 
