@@ -3,15 +3,21 @@
 Four groups of ranks (:mod:`worlds`: torchrun-like Trainer workers, no launcher):
 
 * A (the shared 4-rank world): 10 straight steps and 5 steps + save, for interleaved (pp=4,
-  vpp=2), 1F1B (pp=2 x dp=2) and zbv (pp=4, V placement);
-* B (4 NEW processes, a world of its own): resume at the same shape, reshard (the interleaved
-  checkpoint at dp=2 x pp=2, the 1F1B one at pp=4 vpp=2) and cross placements (zbv ->
-  interleaved, interleaved -> zbv); each continues the original run;
-* C (the shared 2-rank world): the interleaved checkpoint at pp=2 vpp=1;
-* a 2-rank world whose rank 1 dies half-way through its second save (its DCP data write).
+  vpp=2), 1F1B (pp=2 x dp=2) and zbv (pp=4, V placement); and 10 steps of 1F1B saving in the
+  background (``async_checkpoint=True``) at steps 5 and 10;
+* in this process: 5 steps of a plain Trainer (no PipelineStrategy) + its single-file save;
+* two 2-rank worlds whose rank 1 dies half-way through its second save (its DCP data write),
+  one saving synchronously, one in the background;
+* B (4 NEW processes, a world of its own): resume at the same shape, from the background save,
+  reshard (the interleaved checkpoint at dp=2 x pp=2, the 1F1B one at pp=4 vpp=2) and cross
+  placements and schedules (zbv -> interleaved, zbv -> 1F1B, interleaved -> zbv); each
+  continues the original run;
+* C (the shared 2-rank world): the interleaved checkpoint at pp=2 vpp=1, the plain Trainer's
+  file at pp=2, and both crashed runs from the checkpoint before the crash.
 
 Then, in this process: ``lightning-pp consolidate`` (plain state_dict and full Lightning
-checkpoint) and a plain single-process Trainer resuming from the latter.
+checkpoint) and a plain single-process Trainer resuming from the latter and, through
+:class:`~lightning_pp.PipelineCheckpointIO`, from pipeline directories.
 """
 
 from __future__ import annotations
@@ -46,6 +52,8 @@ pytestmark = pytest.mark.timeout(600)
 IL = {"pp": 4, "vpp": 2, "microbatches": 4}  # interleaved
 ZBV = {"pp": 4, "microbatches": 8, "schedule": "zbv"}  # vpp unset: zbv's own 2
 FB = {"pp": 2, "microbatches": 2}  # 1f1b, dp = 2 at world 4
+ASYNC = {"async": True}
+CRASH = {"fail_rank": 1, "fail_save": 2}  # rank 1 dies inside its second save's data write
 EXACT_TOL = 1e-7
 RESHARD_TOL = 1e-6
 
@@ -73,6 +81,7 @@ def _group(world: World, out: Path, phases: list[dict]) -> None:
 def runs(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("ckpt")
     il_ckpt, fb_ckpt, zbv_ckpt = out / "il_ckpt", out / "fb_ckpt", out / "zbv_ckpt"
+    async_ckpt = out / "async_ckpt"
     # group A in the shared Trainer world: train, and save at step 5
     _group(
         world("trainer", 4),
@@ -84,10 +93,36 @@ def runs(tmp_path_factory) -> dict:
             _phase("fb_save", FB, max_steps=5, every=5, ckpt_dir=str(fb_ckpt)),
             _phase("zbv_full", ZBV, max_steps=10),
             _phase("zbv_save", ZBV, max_steps=5, every=5, ckpt_dir=str(zbv_ckpt)),
+            _phase("fb_async", FB, max_steps=10, every=5, ckpt_dir=str(async_ckpt), **ASYNC),
         ],
     )
     il5, fb5 = str(il_ckpt / "step=5.ckpt"), str(fb_ckpt / "step=5.ckpt")
-    zbv5 = str(zbv_ckpt / "step=5.ckpt")
+    zbv5, async5 = str(zbv_ckpt / "step=5.ckpt"), str(async_ckpt / "step=5.ckpt")
+    # a plain Trainer's own single-file checkpoint, for a pipelined run to resume from
+    from ckpt_run import run_phase
+
+    torch.set_num_threads(1)
+    plain_dir = out / "plain_ckpt"
+    plain_spec = {"name": "plain_save", "pp": 0, "max_steps": 5, "every": 5}
+    (out / "p").mkdir()
+    run_phase({**plain_spec, "ckpt_dir": str(plain_dir)}, str(out / "p"), 1)
+    plain5 = str(plain_dir / "step=5.ckpt")
+    # ranks that die inside a save: saves at steps 5 and 10; rank 1 dies inside its second
+    # DCP data write (os._exit(17), in the writer thread when asynchronous), so each world is
+    # lost: worlds of their own
+    crash: dict[str, DistributedFailure | None] = {}
+    for name, kw in (("crash", {}), ("crash_async", ASYNC)):
+        doomed = World("trainer", 2)
+        spec = {"pp": 2, "microbatches": 2}
+        ckpt_dir = str(out / f"{name}_ckpt")
+        phase = _phase(name, spec, max_steps=10, every=5, ckpt_dir=ckpt_dir, **CRASH, **kw)
+        try:
+            _group(doomed, out / name, [phase])
+            crash[name] = None
+        except DistributedFailure as failure:
+            crash[name] = failure
+        finally:
+            doomed.close()
     # group B in new processes (a world of its own): resume, reshard, across placements
     fresh = World("trainer", 4)
     try:
@@ -100,36 +135,35 @@ def runs(tmp_path_factory) -> dict:
                 _phase("il_to_dp2pp2", {"pp": 2, "microbatches": 2}, max_steps=10, resume=il5),
                 _phase("fb_to_pp4vpp2", IL, max_steps=10, resume=fb5),
                 _phase("zbv_to_il", IL, max_steps=10, resume=zbv5),
+                _phase("zbv_to_1f1b", {"pp": 4, "microbatches": 4}, max_steps=10, resume=zbv5),
                 _phase("il_to_zbv", ZBV, max_steps=10, resume=il5),
+                _phase("fb_async_resume", FB, max_steps=10, resume=async5),
             ],
         )
     finally:
         fresh.close()
+    pp2 = {"pp": 2, "microbatches": 4}
     _group(
         world("trainer", 2),
         out / "c",
-        [_phase("il_to_pp2", {"pp": 2, "microbatches": 4}, max_steps=10, resume=il5)],
+        [
+            _phase("il_to_pp2", pp2, max_steps=10, resume=il5),
+            _phase("plain_to_pp2", pp2, max_steps=10, resume=plain5),
+            *(
+                _phase(f"{n}_resume", pp2, max_steps=10, resume=str(out / f"{n}_ckpt/step=5.ckpt"))
+                for n in crash
+            ),
+        ],
     )
-    # a rank that dies inside a save: saves at steps 2 and 4; rank 1 dies inside its second
-    # DCP data write (os._exit(17)), so the world is lost: one of its own
-    doomed = World("trainer", 2)
-    crash_phase = _phase(
-        "crash",
-        {"pp": 2, "microbatches": 2},
-        max_steps=6,
-        every=2,
-        ckpt_dir=str(out / "crash_ckpt"),
-        fail_rank=1,
-        fail_save=2,
-    )
-    try:
-        _group(doomed, out / "crash", [crash_phase])
-        crash: DistributedFailure | None = None
-    except DistributedFailure as failure:
-        crash = failure
-    finally:
-        doomed.close()
-    return {"out": out, "il5": il5, "fb5": fb5, "zbv5": zbv5, "crash": crash}
+    return {
+        "out": out,
+        "il5": il5,
+        "fb5": fb5,
+        "zbv5": zbv5,
+        "async5": async5,
+        "plain5": plain5,
+        "crash": crash,
+    }
 
 
 def _losses(out: Path, group: str, name: str, world: int) -> list[float]:
@@ -171,6 +205,7 @@ def test_kill_and_resume_is_exact(runs, cfg):
         # across placements: V (zbv) to loop (interleaved) and back
         ("zbv_to_il", "b", 4, "zbv"),
         ("il_to_zbv", "b", 4, "il"),
+        ("zbv_to_1f1b", "b", 4, "zbv"),  # and across schedules: zero-bubble to 1F1B
     ],
 )
 def test_reshard_continues_the_original_run(runs, name, group, world, source):
@@ -185,6 +220,49 @@ def test_reshard_continues_the_original_run(runs, name, group, world, source):
         _read(out / group, name, world)[0]["lr"]
         == _read(out / "a", f"{source}_full", 4)[0]["lr"][5:]
     )
+
+
+def test_a_pipelined_run_resumes_from_a_plain_trainer_checkpoint(runs):
+    """A plain Lightning checkpoint (one file, optimizer state by position) continues at pp=2:
+    5 plain steps + 5 pipelined ones equal the 10 steps of the uninterrupted run."""
+    out = runs["out"]
+    full = _losses(out, "a", "il_full", 4)
+    plain = json.loads((out / "p" / "plain_save.rank0.json").read_text())
+    assert max(_rel(plain["train_loss"], full[:5])) <= RESHARD_TOL
+    assert Path(runs["plain5"]).is_file()  # Lightning's own single file, not a directory
+    errs = _rel(_losses(out, "c", "plain_to_pp2", 2), full[5:])
+    assert max(errs) <= RESHARD_TOL, errs  # step 6 checks the weights, 7-10 AdamW's moments
+    resumed = _read(out / "c", "plain_to_pp2", 2)[0]
+    assert resumed["lr"] == _read(out / "a", "il_full", 4)[0]["lr"][5:]
+    assert resumed["global_step"] == 10
+
+
+def test_async_save_changes_nothing_and_resumes_exactly(runs):
+    """Saving in the background (``async_checkpoint=True``) while training goes on: the run's
+    losses are those of the run without saves, the checkpoint holds the step-5 values (equal
+    to the synchronous save's, though steps 6-10 changed the tensors while it was written),
+    and resuming from it continues the run."""
+    out = runs["out"]
+    full = _losses(out, "a", "fb_full", 4)
+    assert _losses(out, "a", "fb_async", 4) == full
+    ckpt_dir = Path(runs["async5"]).parent
+    assert sorted(p.name for p in ckpt_dir.iterdir()) == ["step=10.ckpt", "step=5.ckpt"]
+    ours, sync = consolidate_checkpoint(runs["async5"]), consolidate_checkpoint(runs["fb5"])
+    assert ours.keys() == sync.keys()
+    assert all(torch.equal(ours[k], sync[k]) for k in ours)
+    errs = _rel(_losses(out, "b", "fb_async_resume", 4), full[5:])
+    assert max(errs) <= EXACT_TOL, errs
+
+
+def test_plain_trainer_resumes_from_a_pp2_dp2_directory_with_the_io_plugin(runs, tmp_path):
+    from ckpt_run import run_phase
+
+    torch.set_num_threads(1)
+    spec = {"name": "plain_io_fb", "pp": 0, "max_steps": 10, "resume": runs["fb5"]}
+    result = run_phase({**spec, "pipeline_io": True}, str(tmp_path), 1)
+    errs = _rel(result["train_loss"], _losses(runs["out"], "a", "fb_full", 4)[5:])
+    assert max(errs) <= RESHARD_TOL, errs
+    assert result["global_step"] == 10
 
 
 def test_plain_trainer_resumes_from_consolidated_lightning_checkpoint(runs, tmp_path):
@@ -291,23 +369,22 @@ def test_consolidated_state_dict_loads_strictly_into_plain_module(runs, tmp_path
 
 
 # ---------------------------------------------------------------------------- atomicity
-def test_crash_during_save_leaves_previous_checkpoint_loadable(runs):
-    crash = runs["crash"]
+@pytest.mark.parametrize("name", ["crash", "crash_async"], ids=["sync", "async"])
+def test_a_kill_during_a_save_leaves_the_previous_checkpoint_resuming_exactly(runs, name):
+    crash = runs["crash"][name]
     assert crash is not None, "the rank meant to die inside its save did not"
     assert "exited with code 17" in crash.failures[1], crash  # the injected os._exit
     assert 0 in crash.failures and 0 not in crash.results, crash  # rank 0 did not finish
     out = runs["out"]
-    ckpt_dir = out / "crash_ckpt"
+    ckpt_dir = out / f"{name}_ckpt"
     names = sorted(p.name for p in ckpt_dir.iterdir())
-    assert "step=2.ckpt" in names and "step=4.ckpt" not in names, names
-    partial = [n for n in names if n.startswith(".step=4.ckpt.partial-")]
+    assert "step=5.ckpt" in names and "step=10.ckpt" not in names, names
+    partial = [n for n in names if n.startswith(".step=10.ckpt.partial-")]
     assert len(partial) == 1, names
     with pytest.raises(CheckpointError, match="complete.json is missing: the save did not"):
         read_dcp_checkpoint_meta(ckpt_dir / partial[0])
-    state = consolidate_checkpoint(ckpt_dir / "step=2.ckpt")
-    model = GPT(**MODEL_KW)
-    model.configure_model()
-    model.load_state_dict(state, strict=True)
+    errs = _rel(_losses(out, "c", f"{name}_resume", 2), _losses(out, "a", "fb_full", 4)[5:])
+    assert max(errs) <= RESHARD_TOL, errs
 
 
 def test_loading_refuses_incomplete_or_foreign_paths(tmp_path):

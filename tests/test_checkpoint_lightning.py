@@ -3,7 +3,9 @@
 What ``ModelCheckpoint`` and the Trainer do besides ``every_n_train_steps`` + ``ckpt_path=DIR``
 (tests/test_checkpoint.py): ``save_last`` and top-k on a monitor, ``trainer.save_checkpoint``,
 ``fit(ckpt_path="last")``, ``validate(ckpt_path="best")``, ``validate``/``test(ckpt_path=DIR)``
-(weights only, no optimizer). One case, pp=2 1F1B, the tiny GPT.
+(weights only, no optimizer). pp=2 1F1B, the tiny GPT, saving synchronously and in the
+background (``async_checkpoint=True``: the paths are the same, a save returns before it is
+published, and ``strategy.wait_for_checkpoint()`` is what a script calls before reading one).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from worlds import SCRIPTS, world
 pytestmark = pytest.mark.timeout(400)
 
 
-def _lightning_paths(rank: int, size: int, root: str) -> dict:
+def _lightning_paths(rank: int, size: int, root: str, asynchronous: bool) -> dict:
     import lightning as L
     import torch
     from lightning.pytorch.callbacks import ModelCheckpoint
@@ -42,7 +44,12 @@ def _lightning_paths(rank: int, size: int, root: str) -> dict:
         return L.Trainer(
             accelerator="cpu",
             devices=size,
-            strategy=PipelineStrategy(pp=2, microbatches=2, timeout=timedelta(seconds=90)),
+            strategy=PipelineStrategy(
+                pp=2,
+                microbatches=2,
+                timeout=timedelta(seconds=90),
+                async_checkpoint=asynchronous,
+            ),
             max_steps=max_steps,
             val_check_interval=2,
             limit_val_batches=2,
@@ -67,6 +74,7 @@ def _lightning_paths(rank: int, size: int, root: str) -> dict:
     first.fit(trained, data)
     out["in_memory"] = first.validate(trained, data, verbose=False)[0]["val_loss"]
     first.save_checkpoint(ckpts / "manual.ckpt")  # every rank calls it, as Lightning does
+    first.strategy.wait_for_checkpoint()  # a no-op when synchronous
     out["best"] = Path(top.best_model_path).name
     out["last"] = Path(top.last_model_path).name
     out["entries"] = sorted(p.name for p in ckpts.iterdir())
@@ -89,8 +97,10 @@ def _lightning_paths(rank: int, size: int, root: str) -> dict:
     return out
 
 
-def test_lightning_checkpoint_paths_on_the_dcp_format(tmp_path):
-    results = world("trainer", 2).run(_lightning_paths, str(tmp_path), timeout=360)
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_lightning_checkpoint_paths_on_the_dcp_format(tmp_path, asynchronous):
+    run = world("trainer", 2).run
+    results = run(_lightning_paths, str(tmp_path), asynchronous, timeout=360)
     r = results[0]
     assert r["best"] == "epoch=0-step=4.ckpt" or r["best"] == "epoch=0-step=2.ckpt", r
     assert r["last"] == "last.ckpt"

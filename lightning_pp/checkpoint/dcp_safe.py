@@ -31,6 +31,7 @@ import logging
 import os
 import pickle
 import re
+import warnings
 from pathlib import Path
 from typing import IO, Any
 
@@ -297,13 +298,17 @@ def safe_dcp_load(
     quiet = _QuietFallback(reader)
     logging.getLogger().addFilter(quiet)
     try:
-        dcp.load(
-            state_dict,
-            storage_reader=reader,
-            planner=TensorsOnlyLoadPlanner(allow_partial_load=allow_partial_load, checkpoint=path),
-            process_group=process_group,
-            no_dist=no_dist,
-        )
+        with warnings.catch_warnings():  # one process (no group) is meant, not a slip: quiet
+            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+            dcp.load(
+                state_dict,
+                storage_reader=reader,
+                planner=TensorsOnlyLoadPlanner(
+                    allow_partial_load=allow_partial_load, checkpoint=path
+                ),
+                process_group=process_group,
+                no_dist=no_dist,
+            )
     except CheckpointException as exc:
         # DCP wraps each rank's exception; ours (which name the file) are raised as they are
         errors = [e for e, _ in exc.failures.values()]

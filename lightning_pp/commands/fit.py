@@ -308,8 +308,11 @@ def train(
             f"(num_nodes={trainer.num_nodes} x devices={trainer.num_devices}), {shape}",
             flush=True,
         )
+    from lightning_pp.checkpoint.errors import CheckpointError
     from lightning_pp.planner.recompute import RecomputeBudgetError
 
+    if ckpt_path is not None:
+        _read_pipeline_checkpoints(trainer, ckpt_path)
     t0 = time.perf_counter()
     try:
         trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
@@ -318,6 +321,12 @@ def train(
         # batch). Every rank raises the same error together: rank 0 says it, once.
         if trainer.is_global_zero:
             fail("fit", f"{cfg.path}: 'strategy.activation_budget': {err}")
+        return 2
+    except CheckpointError as err:
+        # A refused --ckpt-path (tampered, incomplete, unsafe to unpickle, another model's):
+        # the loaders refuse on every rank together, before any state changed.
+        if trainer.is_global_zero:
+            fail("fit", f"--ckpt-path {ckpt_path}: {err}")
         return 2
     if trainer.is_global_zero:
         print(f"[lightning-pp] fit finished in {time.perf_counter() - t0:.1f}s", flush=True)
@@ -335,6 +344,23 @@ def train(
                 if isinstance(cb, RunSummary):
                     cb.add_sample(sample_cfg.prompt, text, caption)
     return 0
+
+
+def _read_pipeline_checkpoints(trainer: Any, ckpt_path: str) -> None:
+    """A plain Trainer (no PipelineStrategy) given a pipeline checkpoint directory reads it
+    through :class:`~lightning_pp.checkpoint.PipelineCheckpointIO` (Lightning's own
+    ``TorchCheckpointIO`` cannot open a directory); a CheckpointIO the config chose is kept."""
+    import os
+
+    from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+    from lightning_pp.checkpoint import PipelineCheckpointIO
+
+    strategy, pipeline = trainer.strategy, pipeline_strategy_class()
+    if not os.path.isdir(ckpt_path) or (pipeline is not None and isinstance(strategy, pipeline)):
+        return
+    if type(strategy.checkpoint_io) is TorchCheckpointIO:
+        strategy.checkpoint_io = PipelineCheckpointIO()
 
 
 def sample_caption(trainer: Any, cfg: RunConfig, sample: SampleConfig) -> str:

@@ -47,9 +47,9 @@ from .. import _lightning_compat as compat
 from ..autosplit.split import SplitError
 from ..checkpoint.directory import remove_checkpoint_dir
 from ..checkpoint.strategy_io import (
+    CheckpointSaver,
     load_pipeline_checkpoint,
     module_optimizer_state,
-    save_pipeline_checkpoint,
 )
 from ..layout.partition import PipelineChunk
 from ..layout.placement import LayerPlacement
@@ -132,6 +132,11 @@ class PipelineStrategy(ProcessGroupStrategy):
             logged). See docs/strategy.md "Fitting in memory".
         activation_budget: bytes of saved activations per rank for ``recompute="auto"``
             (an int or a string such as ``"6GiB"``).
+        async_checkpoint: write checkpoints in the background (``dcp.async_save``): a save
+            returns once this rank's tensors are copied, and the next steps overlap the write.
+            A save waits for the previous one; loads and teardown wait for it too, and
+            :meth:`wait_for_checkpoint` waits on demand. See docs/checkpoints.md
+            "Asynchronous save".
 
     Example::
 
@@ -165,6 +170,7 @@ class PipelineStrategy(ProcessGroupStrategy):
         split_placement: dict[str, str] | None = None,
         recompute: RecomputeSpec = None,
         activation_budget: int | str | None = None,
+        async_checkpoint: bool = False,
     ) -> None:
         super().__init__(
             start_method=start_method,
@@ -217,6 +223,11 @@ class PipelineStrategy(ProcessGroupStrategy):
         self._recompute_plan: Any = None
         self._eval: eval_step.ForwardOnly | None = None
         self._unclipped_precision: Precision | None = None
+        if not isinstance(async_checkpoint, bool):
+            raise TypeError(f"async_checkpoint must be True or False, got {async_checkpoint!r}")
+        #: writes this rank's checkpoints (in the background with ``async_checkpoint=True``)
+        self.checkpoint_saver = CheckpointSaver(asynchronous=async_checkpoint)
+        self._failed = False
 
     # ------------------------------------------------------------------ the rank's layout
     # The strategy's view of its RankLayout (callbacks and user code read these names).
@@ -528,7 +539,7 @@ class PipelineStrategy(ProcessGroupStrategy):
                 "the strategy writes a sharded checkpoint directory itself, not via CheckpointIO"
             )
         topo, placement = self.layout.need_topology(), self.layout.need_placement()
-        save_pipeline_checkpoint(
+        self.checkpoint_saver.save(
             checkpoint,
             self.broadcast(str(filepath)),
             module=self.lightning_module,
@@ -536,12 +547,19 @@ class PipelineStrategy(ProcessGroupStrategy):
             canonical=self._stored_names(),
         )
 
+    def wait_for_checkpoint(self) -> None:
+        """Collective (every rank calls it): block until the checkpoint being written in the
+        background (``async_checkpoint``) is complete on disk; raise its error on every rank.
+        A no-op when none is in flight."""
+        self.checkpoint_saver.wait()
+
     @override
     def load_checkpoint(
         self, checkpoint_path: Any, weights_only: bool | None = None
     ) -> dict[str, Any]:
         """Collective: load this rank's layers, and when fitting its optimizer state, by name,
         whatever pipeline shape wrote the checkpoint; return Lightning's metadata."""
+        self.wait_for_checkpoint()  # ckpt_path="last" may be the one still being written
         trainer = self.lightning_module.trainer
         fitting = trainer.state.fn == TrainerFn.FITTING
         return load_pipeline_checkpoint(
@@ -570,6 +588,9 @@ class PipelineStrategy(ProcessGroupStrategy):
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
         """Delete a checkpoint directory (ModelCheckpoint's top-k rotation)."""
+        pending = self.checkpoint_saver.pending_path
+        if pending is not None and str(pending) == str(filepath):
+            self.wait_for_checkpoint()  # it is published by the writer: let it finish first
         if self.is_global_zero:
             remove_checkpoint_dir(filepath)
 
@@ -579,6 +600,7 @@ class PipelineStrategy(ProcessGroupStrategy):
         """Publish this rank's failure (e.g. from a callback) so the other ranks stop waiting."""
         # SystemExit (SIGTERM) is a stop every rank takes together, not a failure to publish.
         failed = not isinstance(exception, (PipelineAborted, SystemExit))
+        self._failed = not isinstance(exception, SystemExit)
         # A communication error (a closed connection, an unwatched collective of Lightning's or
         # of a checkpoint save) is often a killed peer's consequence: then that peer is named.
         if failed and compat.distributed_is_initialized() and self.failure_origin() is None:
@@ -588,6 +610,9 @@ class PipelineStrategy(ProcessGroupStrategy):
 
     @override
     def teardown(self) -> None:
+        if not self._failed:  # after a failure the writer may wait on a lost peer: leave it
+            self.wait_for_checkpoint()  # hidden (never complete), not block the exit on it
+        self._failed = False
         # Give the Trainer back its own backward, summaries and precision plugin.
         trainer = compat.trainer_of(self.lightning_module)
         compat.set_skip_backward(trainer, False)
