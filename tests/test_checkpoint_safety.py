@@ -24,6 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 
 from pp_common import MODEL_KW  # noqa: E402
+from v1_writer import save_sharded_checkpoint  # noqa: E402
 
 from lightning_pp.checkpoint.sharded import (  # noqa: E402
     CheckpointError,
@@ -31,7 +32,6 @@ from lightning_pp.checkpoint.sharded import (  # noqa: E402
     load_metadata,
     load_pipeline_checkpoint,
     optimizer_state_by_name,
-    save_sharded_checkpoint,
     tied_canonical_names,
 )
 from lightning_pp.commands.cli import main as cli_main  # noqa: E402

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
+from v1_writer import save_sharded_checkpoint
 
 from lightning_pp.checkpoint.sharded import (
     CheckpointError,
@@ -13,7 +14,6 @@ from lightning_pp.checkpoint.sharded import (
     load_optimizer_shard,
     optimizer_state_by_name,
     read_index,
-    save_sharded_checkpoint,
     tied_canonical_names,
 )
 from lightning_pp.strategy.model import PipelineLayers

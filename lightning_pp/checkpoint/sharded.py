@@ -2,8 +2,8 @@
 
 Saves now write the DCP format (:mod:`.dcp_format`); this module still reads directories
 written before it (:mod:`.strategy_io` and :mod:`.consolidate` dispatch here when a directory
-holds ``index.json`` and no ``complete.json``). Its writer, :func:`save_sharded_checkpoint`,
-stays for the tests of the reader. To be removed one release after the switch.
+holds ``index.json`` and no ``complete.json``). Its writer lives with the tests of the reader
+(``tests/v1_writer.py``). To be removed one release after the switch.
 
 A version-1 checkpoint is a **directory** (``epoch=0-step=5.ckpt`` is a folder)::
 
@@ -39,8 +39,7 @@ import os
 import pickle
 import re
 import secrets
-import shutil
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -61,7 +60,7 @@ from .by_name import canonical_names as _canonical
 from .by_name import natural_key as _natural_key
 from .by_name import param_names as _param_names
 from .by_name import positional_optimizer_state as _optimizer_state_for
-from .directory import PARTIAL, fsync_dir, new_partial_dir, publish, remove_checkpoint_dir
+from .directory import PARTIAL, remove_checkpoint_dir
 from .errors import CheckpointError  # re-exported: older code imports it from here
 
 __all__ = [
@@ -79,7 +78,6 @@ __all__ = [
     "optimizer_state_by_name",
     "read_index",
     "remove_checkpoint_dir",
-    "save_sharded_checkpoint",
     "tied_canonical_names",
 ]
 
@@ -383,7 +381,7 @@ def _name_to_file(files: Mapping[str, Sequence[str]]) -> dict[str, str]:
     return out
 
 
-# ---------------------------------------------------------------------------------- saving
+# ---------------------------------------------------------------------------------- collectives
 def _dist() -> bool:
     return dist.is_available() and dist.is_initialized()
 
@@ -394,116 +392,6 @@ def _all_gather(obj: Any) -> list[Any]:
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
-
-
-def _broadcast(obj: Any) -> Any:
-    if not _dist():
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def _barrier(barrier: Callable[[], None] | None) -> None:
-    if barrier is not None:
-        barrier()
-    elif _dist():
-        dist.barrier()
-
-
-def save_sharded_checkpoint(
-    checkpoint: dict[str, Any],
-    path: str | os.PathLike,
-    *,
-    tag: str | None,
-    canonical: Mapping[str, str],
-    layout: Mapping[str, Any],
-    barrier: Callable[[], None] | None = None,
-) -> Path:
-    """Collective: every rank calls it with its own ``checkpoint`` dict (Lightning's format).
-
-    Args:
-        checkpoint: Lightning's dict; ``state_dict`` holds this rank's tensors and
-            ``optimizer_states`` the dicts of :func:`optimizer_state_by_name`. Consumed.
-        path: the final directory (the same on every rank).
-        tag: file tag of this rank's shard (``"pp2"``), or ``None`` when this rank writes no
-            tensors (a data-parallel replica other than ``dp_rank == 0``).
-        canonical: tied member name -> canonical name (:func:`tied_canonical_names`).
-        layout: shape of the run (pp, vpp, dp, layer ranges), recorded in the index.
-
-    Returns the final directory. Raises on every rank if any rank failed to write its part.
-    """
-    path = Path(path)
-    rank = dist.get_rank() if _dist() else 0
-    tmp: Path | None = None
-    if rank == 0:
-        tmp = new_partial_dir(path)
-    tmp = Path(_broadcast(str(tmp)))
-
-    state_dict = checkpoint.pop("state_dict", {})
-    optim_states = checkpoint.pop("optimizer_states", None)
-    report: dict[str, Any] = {"rank": rank, "error": None, "tag": tag}
-    try:
-        if tag is not None:
-            # a tied member is stored once, under its canonical name, by the rank holding that
-            model = {
-                k: v.detach().cpu() if isinstance(v, Tensor) else v
-                for k, v in state_dict.items()
-                if canonical.get(k, k) == k
-            }
-            _save_file(model, tmp / f"model.{tag}.pt")
-            report["model"] = sorted(model)
-            if optim_states is not None:
-                optim = [_to_cpu(s) for s in optim_states]
-                _save_file(optim, tmp / f"optim.{tag}.pt")
-                report["optim"] = sorted({n for s in optim for n in s["group_of"]})
-        if rank == 0:
-            _save_file(checkpoint, tmp / META_FILE)
-    except Exception as exc:  # reported to every rank below: nobody blocks on a failed peer
-        report["error"] = f"{type(exc).__name__}: {exc}"
-    reports = _all_gather(report)
-    errors = [f"rank {r['rank']}: {r['error']}" for r in reports if r["error"]]
-    if errors:
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(f"saving checkpoint {str(path)!r} failed: " + "; ".join(errors))
-
-    if rank == 0:
-        writers = [r for r in reports if r["tag"] is not None]
-        index = {
-            "format": FORMAT,
-            "version": VERSION,
-            "complete": True,
-            "layout": dict(layout),
-            "tied": sorted({(c, n) for n, c in canonical.items() if n != c}),
-            "meta_file": META_FILE,
-            "model_files": {f"model.{r['tag']}.pt": r["model"] for r in writers},
-            "optim_files": {f"optim.{r['tag']}.pt": r["optim"] for r in writers if "optim" in r},
-        }
-        _write_index(tmp, index)
-        publish(tmp, path)
-    _barrier(barrier)  # nobody returns before the final directory exists
-    return path
-
-
-def _to_cpu(obj: Any) -> Any:
-    if isinstance(obj, Tensor):
-        return obj.detach().cpu()
-    if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_cpu(v) for v in obj)
-    return obj
-
-
-def _write_index(directory: Path, index: dict[str, Any]) -> None:
-    tmp = directory / f"{INDEX_FILE}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(index, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, directory / INDEX_FILE)
-    fsync_dir(directory)
 
 
 # ---------------------------------------------------------------------------------- loading
