@@ -98,18 +98,6 @@ def load_pipeline_checkpoint(
     ``weights_only`` matters for a version-1 directory only (its ``meta.pt`` is a pickle; see
     :func:`~.sharded.load_metadata`); the DCP format holds no pickle to trust or not.
     """
-    if is_plain_checkpoint(path):
-        from .plain_load import load_plain_checkpoint
-
-        return load_plain_checkpoint(
-            path,
-            module,
-            canonical=canonical_names(module, canonical),
-            optimizers=optimizers,
-            scheduler_configs=scheduler_configs,
-            strict=bool(getattr(module, "strict_loading", True)),
-            trusted=weights_only is False,
-        )
     if checkpoint_format(path) == "v1":
         from .sharded import load_pipeline_checkpoint as load_v1
 
@@ -122,14 +110,17 @@ def load_pipeline_checkpoint(
             weights_only=weights_only,
             canonical=canonical,
         )
-    return load_dcp_checkpoint(
-        path,
-        module,
-        canonical=canonical_names(module, canonical),
-        optimizers=optimizers,
-        scheduler_configs=scheduler_configs,
-        strict=bool(getattr(module, "strict_loading", True)),
-    )
+    by_name: dict[str, Any] = {
+        "canonical": canonical_names(module, canonical),
+        "optimizers": optimizers,
+        "scheduler_configs": scheduler_configs,
+        "strict": bool(getattr(module, "strict_loading", True)),
+    }
+    if is_plain_checkpoint(path):  # a plain Trainer's single file
+        from .plain_load import load_plain_checkpoint
+
+        return load_plain_checkpoint(path, module, trusted=weights_only is False, **by_name)
+    return load_dcp_checkpoint(path, module, **by_name)
 
 
 def module_optimizer_state(
