@@ -104,6 +104,7 @@ def background_jobs(items, tmp_path_factory) -> dict:
     table = {
         "test_strategy_overhead_script": _strategy_overhead_script,
         "test_split_backward_cost_script": _split_backward_cost_script,
+        "test_async_save_script": _async_save_script,
     }
     return background.jobs_of_tests(items, tmp_path_factory, table)
 
@@ -291,3 +292,45 @@ def test_zero_bubble_report_renders_targets_and_bare_rows():
     assert "| our zbv / simulated makespan <= 1.08 | 1.100" in text
     assert "| zbv | 1.050 (" in text and f"| {1.10 / 1.05:.3f} |" in text
     assert "| bare zbv / bare 1f1b |" in text
+
+
+def _async_save_script(tmp_path) -> str:
+    """benchmarks/bench_async_save.py --smoke: a tiny GPT under the Trainer (pp2 x dp2, four
+    processes), once saving in the background and once synchronously; every step classified,
+    every save recorded, and every async checkpoint complete and consolidated. Structure only,
+    no timing. A subprocess (it launches its own Trainers); runs in the background."""
+    import subprocess
+
+    out = tmp_path / "async_save.json"
+    script = os.path.join(ROOT, "benchmarks", "bench_async_save.py")
+    proc = subprocess.run(
+        [sys.executable, script, "--smoke", "--timeout", "400", "--out", str(out)],
+        timeout=900,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": ROOT},
+        start_new_session=True,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert [r["mode"] for r in data["runs"]] == ["async", "sync"]
+    for run in data["runs"]:
+        assert len(run["ranks"]) == 4 and {r["dp_rank"] for r in run["ranks"]} == {0, 1}
+        assert len(run["kinds"]) == len(run["steps_s"]) and all(t > 0 for t in run["steps_s"])
+        assert run["saves"] and all(s["call_s"] > 0 for s in run["saves"])
+        background = run["mode"] == "async"
+        assert all(("staging_s" in s) == background for s in run["saves"]), run["mode"]
+    for mode in ("async", "sync"):
+        summary = data["summary"][mode]
+        assert summary["saves"] >= 1 and summary["normal_ms"] > 0 and summary["ratio"] > 0
+    assert data["state_mb"] > 0
+    checked = data["verify"]
+    assert checked["checkpoints"] and not checked["hidden"]
+    assert all(c["complete"] and c["consolidate_rc"] == 0 for c in checked["checkpoints"])
+    assert "| async (" in data["markdown"] and "Target:" in data["markdown"]
+    return f"{len(checked['checkpoints'])} async checkpoints verified"
+
+
+@pytest.mark.timeout(background.WAIT)
+def test_async_save_script():
+    print(background.check("test_async_save_script"))

@@ -117,3 +117,37 @@ def test_finish_errors_and_timeouts_are_raised_by_wait(tmp_path):
     written.set_result(None)
     with pytest.raises(CheckpointError, match="RuntimeError: rename failed"):
         pending.wait()
+
+
+def test_replicas_split_their_tensors_evenly_and_alike_on_every_rank():
+    """dcp_save.split_replicas: each replicated tensor goes to exactly one holder, the bytes
+    split evenly, a tensor only one rank holds stays with it; the same on every rank."""
+    from lightning_pp.checkpoint.dcp_save import split_replicas
+
+    both = {("state_dict", f"w{i}"): 4 * (i + 1) for i in range(6)}
+    sizes = [{**both, ("state_dict", "tied"): 8}, dict(both)]
+    owned = split_replicas(sizes)
+    assert owned == split_replicas([dict(s) for s in sizes])  # deterministic
+    assert owned[0] & owned[1] == set() and owned[0] | owned[1] == set(sizes[0])
+    assert ("state_dict", "tied") in owned[0]
+    load = [sum(sizes[0][k] for k in o) for o in owned]
+    assert abs(load[0] - load[1]) <= 8, load
+
+
+def test_staging_buffers_copy_into_the_same_memory_and_refuse_while_busy():
+    """StagingBuffers: a copy (not the live tensor), the same buffer at the next save, none
+    while the previous copy is still being written; a tensor gone from the state is freed."""
+    from lightning_pp.checkpoint.async_save import StagingBuffers
+
+    w, b = torch.arange(6.0).view(2, 3).t(), torch.ones(3)  # a non-contiguous source too
+    buffers = StagingBuffers()
+    first = buffers.stage({"m": {"w": w, "b": b}}, fallback=lambda sd: sd)
+    assert first is not None and torch.equal(first["m"]["w"], w)
+    assert first["m"]["w"].data_ptr() != w.data_ptr()
+    assert buffers.stage({"m": {"w": w}}, fallback=lambda sd: sd) is None  # busy
+    buffers.release()
+    w.add_(1.0)
+    second = buffers.stage({"m": {"w": w}}, fallback=lambda sd: sd)
+    assert second["m"]["w"].data_ptr() == first["m"]["w"].data_ptr()
+    assert torch.equal(second["m"]["w"], w)
+    assert buffers.nbytes == w.numel() * 4  # b's buffer was dropped

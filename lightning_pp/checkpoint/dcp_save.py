@@ -14,7 +14,9 @@ Steps (all collective; a failure anywhere raises on every rank and removes the h
 :func:`start_async_dcp_checkpoint` does 1-2 in the caller's thread and 3-4 in DCP's writer
 thread (``dcp.async_save`` through :func:`~.async_save.start_async_save`): it returns once the
 tensors are copied, and the returned :class:`~.async_save.PendingSave` is waited for before the
-next save and at teardown.
+next save and at teardown. Before the copy, the ``dp`` replicas split their identical tensors
+among themselves (:func:`split_replicas`): each rank copies only what it will write, as DCP's
+planner would have decided after the copy (with dp=2, half the copy; the files are the same).
 
 Example::
 
@@ -29,15 +31,16 @@ from __future__ import annotations
 import os
 import shutil
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from .agree import broadcast_first, gather_all, group_rank, raise_together, report_errors
+from .agree import gather_all, group_rank, raise_together, report_errors
 from .async_save import PendingSave, start_async_save
 from .dcp_meta import FORMAT, VERSION, merge_descriptions, split_rank_state
 from .directory import new_partial_dir, publish
@@ -45,9 +48,60 @@ from .errors import CheckpointError
 from .manifest import write_manifest
 from .meta_codec import write_meta
 
-__all__ = ["save_dcp_checkpoint", "start_async_dcp_checkpoint"]
+__all__ = ["save_dcp_checkpoint", "split_replicas", "start_async_dcp_checkpoint"]
 
 ProcessGroup = Any  # torch.distributed.ProcessGroup, or None for the default group
+Key = tuple[str, ...]  # a tensor's path in a rank's DCP state, e.g. ("state_dict", "layers.1.w")
+
+
+def plain_tensor_sizes(state: Mapping[str, Any], path: Key = ()) -> dict[Key, int]:
+    """Bytes of every plain tensor of a nested DCP state, by path. A ``DTensor`` (or any other
+    tensor subclass) is left out: ranks holding one name hold different shards of it."""
+    out: dict[Key, int] = {}
+    for k, v in state.items():
+        if isinstance(v, Mapping):
+            out.update(plain_tensor_sizes(v, (*path, str(k))))
+        elif type(v) is torch.Tensor:
+            out[(*path, str(k))] = v.numel() * v.element_size()
+    return out
+
+
+def split_replicas(sizes: Sequence[Mapping[Key, int]]) -> list[set[Key]]:
+    """Which plain tensors each rank writes, from every rank's :func:`plain_tensor_sizes`.
+
+    A path several ranks hold (``dp`` replicas: bitwise-equal copies) goes to one of them, the
+    one with the fewest bytes so far, largest tensors first, ties to the lower rank: every rank
+    computes the same answer. DCP's save planner would drop the same duplicates after staging
+    (``dedup_save_plans``); deciding first spares the other replicas the copy.
+
+    Example::
+
+        split_replicas([{("w",): 8, ("b",): 4}, {("w",): 8, ("b",): 4}])
+        # -> [{("w",)}, {("b",)}]
+    """
+    load = [0] * len(sizes)
+    owned: list[set[Key]] = [set() for _ in sizes]
+    every = {key: n for s in sizes for key, n in s.items()}
+    for key in sorted(every, key=lambda k: (-every[k], k)):
+        holders = [r for r, s in enumerate(sizes) if key in s]
+        r = min(holders, key=lambda r: (load[r], r))
+        owned[r].add(key)
+        load[r] += every[key]
+    return owned
+
+
+def _keep_only(state: Mapping[str, Any], drop: set[Key], path: Key = ()) -> dict[str, Any]:
+    """``state`` without the paths in ``drop`` (and without the containers that leaves empty)."""
+    out: dict[str, Any] = {}
+    for k, v in state.items():
+        here = (*path, str(k))
+        if isinstance(v, Mapping):
+            kept = _keep_only(v, drop, here)
+            if kept or not v:
+                out[k] = kept
+        elif here not in drop:
+            out[k] = v
+    return out
 
 
 @dataclass
@@ -76,28 +130,44 @@ def _prepare(
     canonical: Mapping[str, str],
     layout: Mapping[str, Any],
     process_group: ProcessGroup,
+    split: bool = False,
 ) -> _Prepared:
-    """Steps 1-2 (collective): the hidden directory, this rank's DCP state, the metadata."""
+    """Steps 1-2 (collective): the hidden directory, this rank's DCP state, the metadata;
+    ``split``: this rank's state keeps only the replicated tensors it writes
+    (:func:`split_replicas`)."""
     path = Path(path)
     rank = group_rank(process_group)
     what = f"saving checkpoint {str(path)!r} failed"
-    made: tuple[str | None, str | None] = (None, None)
+    made: str | None = None
+    error: str | None = None
     if rank == 0:
         try:
-            made = (str(new_partial_dir(path)), None)
+            made = str(new_partial_dir(path))
         except Exception as exc:
-            made = (None, f"{type(exc).__name__}: {exc}")
-    tmp_name, error = broadcast_first(made, process_group)
-    if error is not None:
-        raise CheckpointError(f"{what}: rank 0: {error}")
-    prep = _Prepared(path, Path(str(tmp_name)), rank, {}, what)
+            error = f"{type(exc).__name__}: {exc}"
+    state: dict[str, Any] = {}
     desc: dict[str, Any] = {"model": {}}
-    try:
-        prep.state, desc = split_rank_state(checkpoint, canonical)
-    except Exception as exc:
-        error = f"{type(exc).__name__}: {exc}"
-    descs = gather_all((desc, error), process_group)
-    report_errors([e for _, e in descs], what, prep.cleanup)
+    sizes: dict[Key, int] = {}
+    if error is None:
+        try:
+            state, desc = split_rank_state(checkpoint, canonical)
+            sizes = plain_tensor_sizes(state) if split else {}
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+    # One exchange carries rank 0's hidden directory and every rank's description and error:
+    # each collective costs every rank a wait (tens of ms on an oversubscribed host).
+    descs = gather_all((made, desc, error, sizes), process_group)
+    tmp_name = descs[0][0]
+
+    def cleanup() -> None:  # rank 0 made the hidden directory, unless that was its error
+        if rank == 0 and tmp_name:
+            shutil.rmtree(tmp_name, ignore_errors=True)
+
+    report_errors([e for _, _, e, _ in descs], what, cleanup)
+    prep = _Prepared(path, Path(tmp_name), rank, state, what)
+    if split:
+        mine = split_replicas([s for _, _, _, s in descs])[rank]
+        prep.state = _keep_only(prep.state, set(sizes) - mine)
     if rank == 0:  # now, not in a writer thread: Lightning's dict may change after we return
         try:
             meta = {
@@ -105,7 +175,7 @@ def _prepare(
                 "version": VERSION,
                 "layout": dict(layout),
                 "tied": sorted([c, n] for n, c in canonical.items() if n != c),
-                **merge_descriptions([d for d, _ in descs]),
+                **merge_descriptions([d for _, d, _, _ in descs]),
                 "lightning": checkpoint,
             }
             write_meta(prep.tmp, meta)
@@ -195,7 +265,7 @@ def start_async_dcp_checkpoint(
         ...                             # training steps
         pending.wait()
     """
-    prep = _prepare(checkpoint, path, canonical, layout, process_group)
+    prep = _prepare(checkpoint, path, canonical, layout, process_group, split=True)
     finish = prep.finish if prep.rank == 0 else None
     try:
         return start_async_save(prep.state, prep.tmp, writer_group, finish=finish)
