@@ -18,14 +18,22 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch.distributed as dist
 
 from .errors import CheckpointError
 
-__all__ = ["broadcast_first", "gather_all", "group_rank", "raise_together", "report_errors"]
+__all__ = [
+    "broadcast_first",
+    "check_all_claimed",
+    "error_text",
+    "gather_all",
+    "group_rank",
+    "raise_together",
+    "report_errors",
+]
 
 ProcessGroup = Any  # dist.ProcessGroup, or None for the default group
 
@@ -56,6 +64,22 @@ def broadcast_first(obj: Any, group: ProcessGroup = None) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, group=group, group_src=0)
     return box[0]
+
+
+def error_text(exc: BaseException) -> str:
+    """What a rank reports of its failure: our own message as it is (it names the file or the
+    tensor), any other exception with its type."""
+    return str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
+
+
+def check_all_claimed(saved: Iterable[str], claimed: Iterable[str], where: str) -> None:
+    """A strict load: every saved tensor is one some rank of this model asked for."""
+    unused = sorted(set(saved) - set(claimed))
+    if unused:
+        raise CheckpointError(
+            f"{where}: {len(unused)} saved tensor(s) belong to no rank of this model: "
+            f"{unused[:5]} (set LightningModule.strict_loading=False to allow)"
+        )
 
 
 def raise_together(

@@ -37,6 +37,7 @@ __all__ = [
     "adapt_scheduler_state",
     "adapt_scheduler_states",
     "describe_layout",
+    "fit_scheduler_states",
     "canonical_names",
     "natural_key",
     "optimizer_state_by_name",
@@ -196,6 +197,14 @@ def adapt_scheduler_states(states: Sequence[dict[str, Any]], configs: Sequence[A
     """:func:`adapt_scheduler_state` for each saved scheduler state, fitted to the optimizer of
     the matching Lightning scheduler config (``config.scheduler.optimizer``)."""
     return [adapt_scheduler_state(s, cfg.scheduler.optimizer) for s, cfg in zip(states, configs)]
+
+
+def fit_scheduler_states(meta: dict[str, Any], configs: Sequence[Any]) -> dict[str, Any]:
+    """Lightning's loaded metadata with its ``lr_schedulers`` fitted to THIS rank's optimizers
+    (:func:`adapt_scheduler_states`); as it is when it holds none."""
+    if "lr_schedulers" not in meta:
+        return meta
+    return {**meta, "lr_schedulers": adapt_scheduler_states(meta["lr_schedulers"], configs)}
 
 
 def describe_layout(layout: Mapping[str, Any], sep: str = ", ") -> str:

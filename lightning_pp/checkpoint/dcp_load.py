@@ -28,10 +28,17 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from .agree import broadcast_first, gather_all, group_rank, report_errors
+from .agree import (
+    broadcast_first,
+    check_all_claimed,
+    error_text,
+    gather_all,
+    group_rank,
+    report_errors,
+)
 from .by_name import (
-    adapt_scheduler_states,
     describe_layout,
+    fit_scheduler_states,
     natural_key,
     param_names,
     positional_optimizer_state,
@@ -182,16 +189,12 @@ def load_dcp_checkpoint(
             )
             request.update(opt_request)
     except Exception as exc:
-        error = str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
+        error = error_text(exc)
     used = gather_all((sorted(set(wanted.values())), error), process_group)
     report_errors([e for _, e in used], what)
     if strict:
-        unused = sorted(set(meta["model"]) - {n for names, _ in used for n in names})
-        if unused:
-            raise CheckpointError(
-                f"checkpoint {str(path)!r}: {len(unused)} saved tensor(s) belong to no rank of "
-                f"this model: {unused[:5]} (set LightningModule.strict_loading=False to allow)"
-            )
+        claimed = [n for names, _ in used for n in names]
+        check_all_claimed(meta["model"], claimed, f"checkpoint {str(path)!r}")
     safe_dcp_load(request, path, process_group)  # collective; raises on every rank alike
     # every rank read everything: now change the module and the optimizers
     loaded = request["state_dict"]
@@ -202,11 +205,7 @@ def load_dcp_checkpoint(
             positional_optimizer_state(optimizer, names, merged[i], f"{path} optimizer {i}")
         )
     lightning = dict(meta["lightning"])
-    if optimizers is not None and "lr_schedulers" in lightning:
-        lightning["lr_schedulers"] = adapt_scheduler_states(
-            lightning["lr_schedulers"], scheduler_configs
-        )
-    return lightning
+    return lightning if optimizers is None else fit_scheduler_states(lightning, scheduler_configs)
 
 
 def consolidated_dcp_state_dict(

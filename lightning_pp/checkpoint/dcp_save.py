@@ -157,14 +157,10 @@ def _prepare(
     # One exchange carries rank 0's hidden directory and every rank's description and error:
     # each collective costs every rank a wait (tens of ms on an oversubscribed host).
     descs = gather_all((made, desc, error, sizes), process_group)
-    tmp_name = descs[0][0]
-
-    def cleanup() -> None:  # rank 0 made the hidden directory, unless that was its error
-        if rank == 0 and tmp_name:
-            shutil.rmtree(tmp_name, ignore_errors=True)
-
-    report_errors([e for _, _, e, _ in descs], what, cleanup)
-    prep = _Prepared(path, Path(tmp_name), rank, state, what)
+    tmp_name = descs[0][0]  # None when making it was rank 0's error: nothing to clean up
+    prep = _Prepared(path, Path(tmp_name), rank, state, what) if tmp_name else None
+    report_errors([e for _, _, e, _ in descs], what, prep.cleanup if prep else None)
+    assert prep is not None  # rank 0's failure to make it was reported, and raised, above
     if split:
         mine = split_replicas([s for _, _, _, s in descs])[rank]
         prep.state = _keep_only(prep.state, set(sizes) - mine)

@@ -30,8 +30,8 @@ from typing import Any
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from .agree import gather_all, report_errors
-from .by_name import adapt_scheduler_states, param_names, positional_optimizer_state
+from .agree import check_all_claimed, error_text, gather_all, report_errors
+from .by_name import fit_scheduler_states, param_names, positional_optimizer_state
 from .errors import CheckpointError
 from .plain_file import local_param_groups, optimizer_states_by_name
 from .sharded import load_metadata
@@ -97,7 +97,7 @@ def load_plain_checkpoint(
     try:
         ckpt = _read(path, trusted)
     except Exception as exc:
-        error = str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
+        error = error_text(exc)
     report_errors(gather_all(error, process_group), what)
 
     names = param_names(module, canonical)
@@ -115,27 +115,17 @@ def load_plain_checkpoint(
                 for i, (opt, merged) in enumerate(zip(optimizers, by_name))
             ]
     except Exception as exc:
-        error = str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
+        error = error_text(exc)
     used = gather_all((sorted(picked), error), process_group)
     report_errors([e for _, e in used], what)
     if strict:
         claimed = {k for keys, _ in used for k in keys}
-        unused = sorted(
-            k for k in ckpt["state_dict"] if k not in claimed and canonical.get(k, k) not in claimed
-        )
-        if unused:
-            raise CheckpointError(
-                f"plain checkpoint {str(path)!r}: {len(unused)} saved tensor(s) belong to no "
-                f"rank of this model: {unused[:5]} (set LightningModule.strict_loading=False "
-                f"to allow)"
-            )
+        # a tied member saved under its own key is claimed through its canonical name
+        claimed |= {k for k in ckpt["state_dict"] if canonical.get(k, k) in claimed}
+        check_all_claimed(ckpt["state_dict"], claimed, f"plain checkpoint {str(path)!r}")
     # every rank's checks passed: now change the module and the optimizers
     module.load_state_dict(picked, strict=strict)
     for optimizer, state in zip(optimizers or (), states):
         optimizer.load_state_dict(state)
     lightning = {k: v for k, v in ckpt.items() if k not in ("state_dict", "optimizer_states")}
-    if optimizers is not None and "lr_schedulers" in lightning:
-        lightning["lr_schedulers"] = adapt_scheduler_states(
-            lightning["lr_schedulers"], scheduler_configs
-        )
-    return lightning
+    return lightning if optimizers is None else fit_scheduler_states(lightning, scheduler_configs)

@@ -49,10 +49,12 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from .._lightning_compat import configure_optimizers_and_schedulers, load_file
+from .agree import check_all_claimed
 from .by_name import (
     adapt_scheduler_state,  # noqa: F401  (re-exported)
     adapt_scheduler_states,
     describe_layout,
+    fit_scheduler_states,
     optimizer_state_by_name,
     tied_canonical_names,
 )
@@ -521,17 +523,11 @@ def load_pipeline_checkpoint(
     if errors:
         raise CheckpointError(f"loading checkpoint {path!r} failed: " + "; ".join(errors))
     if strict:
-        saved = {n for names in index["model_files"].values() for n in names}
-        unused = sorted(saved - {n for names, _ in gathered for n in names})
-        if unused:
-            raise CheckpointError(
-                f"checkpoint {path!r}: {len(unused)} saved tensor(s) belong to no rank of "
-                f"this model: {unused[:5]} (set LightningModule.strict_loading=False to allow)"
-            )
+        saved = [n for names in index["model_files"].values() for n in names]
+        claimed = [n for names, _ in gathered for n in names]
+        check_all_claimed(saved, claimed, f"checkpoint {path!r}")
     meta = load_metadata(Path(path) / index["meta_file"], weights_only=weights_only)
-    if optimizers is not None and "lr_schedulers" in meta:
-        meta["lr_schedulers"] = adapt_scheduler_states(meta["lr_schedulers"], scheduler_configs)
-    return meta
+    return meta if optimizers is None else fit_scheduler_states(meta, scheduler_configs)
 
 
 # ---------------------------------------------------------------------------------- consolidate
