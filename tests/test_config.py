@@ -369,6 +369,9 @@ BAD_SETTINGS = [
     (["trainer.num_nodes=0"], ["'trainer.num_nodes' in", "positive integer"]),
     (["strategy.pp=3"], ["'strategy.pp' in", "world size 4 is not divisible by pp=3"]),
     (["data.init_args.batch_size=3"], ["batch size 3 per replica is smaller than microbatches"]),
+    (["strategy.zero=3"], ["'strategy.zero' in", "ZeRO-3, sharded parameters, is fsdp=True"]),
+    (["strategy.zero=1", "strategy.fsdp=true"], ["fsdp=True with zero=1", "use fsdp=True with"]),
+    (["strategy.pp=4", "strategy.zero=2"], ["zero=2 shards over", "but dp=1"]),
 ]
 
 

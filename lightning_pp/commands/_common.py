@@ -195,6 +195,8 @@ _PLAN_ARGS = (
     "recv_lookahead",
     "bucket_cap_mb",
     "watchdog_timeout",
+    "zero",
+    "fsdp",
 )
 
 # Data-module counts that cannot be 0 or negative. The data module would only find out in

@@ -39,6 +39,7 @@ from .rules import (
     check_layers,
     check_schedule_args,
     check_settings,
+    check_sharding,
     check_world,
 )
 
@@ -105,6 +106,10 @@ class PipelinePlan:
     recv_lookahead: int | None = None
     bucket_cap_mb: float | None = None
     watchdog_timeout: float | None = None
+    #: data-parallel sharding: 0 none, 1 optimizer state, 2 optimizer state and gradients
+    zero: int = 0
+    #: FSDP2 per chunk over the dp replicas (parameters, gradients and optimizer state)
+    fsdp: bool = False
     _layer_params: tuple[int, ...] | None = dataclasses.field(default=None, repr=False)
     _layer_costs: tuple[float, ...] | None = dataclasses.field(default=None, repr=False)
 
@@ -129,6 +134,8 @@ class PipelinePlan:
         recv_lookahead: int | None = None,
         bucket_cap_mb: float | None = None,
         watchdog_timeout: float | None = None,
+        zero: int = 0,
+        fsdp: bool = False,
         warn: bool = True,
     ) -> PipelinePlan:
         """Check everything whose inputs are given and return the plan.
@@ -147,6 +154,8 @@ class PipelinePlan:
             bucket_cap_mb=bucket_cap_mb,
             watchdog_timeout=watchdog_timeout,
             accumulate_grad_batches=accumulate_grad_batches,
+            zero=zero,
+            fsdp=fsdp,
         )
         if pp is None:
             if world_size is None:
@@ -189,11 +198,14 @@ class PipelinePlan:
             recv_lookahead=recv_lookahead,
             bucket_cap_mb=bucket_cap_mb,
             watchdog_timeout=watchdog_timeout,
+            zero=zero,
+            fsdp=fsdp,
         )
         if world_size is not None:
             plan = plan.with_world(world_size, dp=dp)
         elif dp is not None:
             _positive(dp=dp)
+            check_sharding(zero, fsdp, dp)
             plan = dataclasses.replace(plan, dp=dp)
         if num_layers is not None:
             plan = plan.with_layers(num_layers, layer_params=layer_params, layer_costs=layer_costs)
@@ -206,6 +218,7 @@ class PipelinePlan:
     def with_world(self, world_size: int, *, dp: int | None = None) -> PipelinePlan:
         """The plan on ``world_size`` processes: checks ``pp`` divides it and sets ``dp``."""
         dp = check_world(world_size, self.pp, self.dp if dp is None else dp)
+        check_sharding(self.zero, self.fsdp, dp)
         return dataclasses.replace(self, world_size=world_size, dp=dp)
 
     def on_trainer_world(
@@ -216,6 +229,8 @@ class PipelinePlan:
         try:
             return self.with_world(world_size)
         except PreflightError as e:
+            if e.key not in ("pp", "dp"):
+                raise  # e.g. zero=1 with dp=1: its own message says it
             raise PreflightError(
                 f"PipelineStrategy(pp={pp}) does not divide the world size {world_size} "
                 f"(num_nodes={num_nodes} x devices={devices}): {e}",
@@ -378,4 +393,18 @@ class PipelinePlan:
         ]
         if comm:
             lines.append("communication: " + " ".join(comm))
+        if self.zero or self.fsdp:
+            lines.append(f"data-parallel sharding: {self.sharding_text}")
         return lines
+
+    @property
+    def sharding_text(self) -> str:
+        """What is sharded over the data-parallel replicas, in words."""
+        over = f"over dp={self.dp}" if self.dp is not None else "over the dp replicas"
+        if self.fsdp:
+            return f"fsdp (FSDP2 per chunk): parameters, gradients and optimizer state {over}"
+        if self.zero == 2:
+            return f"zero=2: optimizer state, master weights and gradients {over}"
+        if self.zero == 1:
+            return f"zero=1: optimizer state and master weights {over}"
+        return "none (every replica holds its stage's full state)"

@@ -141,8 +141,11 @@ def check_settings(
     bucket_cap_mb: float | None = None,
     watchdog_timeout: float | None = None,
     accumulate_grad_batches: int = 1,
+    zero: int = 0,
+    fsdp: bool = False,
 ) -> None:
-    """The rules that need no pipeline size: positive counts, a known partition, sane limits.
+    """The rules that need no pipeline size: positive counts, a known partition, sane limits,
+    and a data-parallel sharding that exists (:func:`check_sharding`).
 
     :meth:`PipelinePlan.build` runs them first; a front end that cannot know ``pp`` yet (``pp``
     left to the world size, the world decided at run time) runs them alone.
@@ -157,6 +160,7 @@ def check_settings(
     _positive(**{k: v for k, v in sizes.items() if v is not None})
     _positive_number("bucket_cap_mb", bucket_cap_mb, "megabytes")
     _positive_number("watchdog_timeout", watchdog_timeout, "seconds", none_means="disabled")
+    check_sharding(zero, fsdp)
     if isinstance(partition, str):
         if partition not in PARTITION_METHODS:
             close = difflib.get_close_matches(partition, PARTITION_METHODS, n=1)
@@ -171,6 +175,39 @@ def check_settings(
             f"an explicit partition is a list of per-stage layer counts (integers), got "
             f"{list(partition)!r}",
             key="partition",
+        )
+
+
+def check_sharding(zero: Any, fsdp: Any, dp: int | None = None) -> None:
+    """``zero`` is 0, 1 or 2 and ``fsdp`` a bool, not both at once; with ``dp`` known, there is
+    more than one replica to shard over.
+
+    ``zero=1`` shards the optimizer state (and fp32 master weights) over the data-parallel
+    replicas, ``zero=2`` the gradients too; ``fsdp=True`` shards the parameters as well
+    (ZeRO-3, by FSDP2), so it includes what ``zero`` would do.
+    """
+    if isinstance(zero, bool) or zero not in (0, 1, 2):
+        hint = " (ZeRO-3, sharded parameters, is fsdp=True)" if zero == 3 else ""
+        raise PreflightError(
+            f"zero must be 0 (no sharding), 1 (optimizer state) or 2 (optimizer state and "
+            f"gradients), got {zero!r}{hint}",
+            key="zero",
+        )
+    if not isinstance(fsdp, bool):
+        raise PreflightError(f"fsdp must be True or False, got {fsdp!r}", key="fsdp")
+    if fsdp and zero:
+        raise PreflightError(
+            f"fsdp=True with zero={zero}: FSDP2 already shards parameters, gradients and "
+            f"optimizer state (ZeRO-3); use fsdp=True with zero=0, or zero={zero} alone",
+            key="zero",
+        )
+    if dp is not None and dp == 1 and (zero or fsdp):
+        what = "fsdp=True" if fsdp else f"zero={zero}"
+        raise PreflightError(
+            f"{what} shards over the data-parallel replicas, but dp=1 (every process is a "
+            f"pipeline stage): there is nothing to shard over; drop {what} or start more "
+            f"processes (world size = pp x dp with dp >= 2)",
+            key="fsdp" if fsdp else "zero",
         )
 
 

@@ -1,4 +1,4 @@
-"""World -> (pp, dp) grid, pipeline neighbours and process groups.
+"""World -> (pp, dp) grid, pipeline neighbours, the job's DeviceMesh and its process groups.
 
 Layout: pipeline-parallel is the OUTERMOST dimension (Megatron order)::
 
@@ -27,7 +27,19 @@ from typing import Any
 
 from ..schedules import check_positive
 
-__all__ = ["PipelineTopology", "ProcessGroups", "build_process_groups"]
+__all__ = [
+    "DP_DIM",
+    "MESH_DIMS",
+    "PP_DIM",
+    "PipelineTopology",
+    "ProcessGroups",
+    "build_process_groups",
+]
+
+#: mesh dim names: Lightning's ``ModelParallelStrategy`` names (``"data_parallel"``, and
+#: ``"tensor_parallel"`` to come, innermost), plus ``"pipeline_parallel"`` outermost
+PP_DIM, DP_DIM = "pipeline_parallel", "data_parallel"
+MESH_DIMS = (PP_DIM, DP_DIM)
 
 
 @dataclass(frozen=True)
@@ -125,13 +137,17 @@ class ProcessGroups:
     """The process groups this rank takes part in.
 
     ``pp_group`` links this rank's pipeline (point-to-point traffic and the loss broadcast);
-    ``dp_group`` links the replicas of this rank's stage (gradient all-reduce).
+    ``dp_group`` links the replicas of this rank's stage (gradient all-reduce). Both are the
+    groups of :attr:`mesh`, the job's ``DeviceMesh`` (dims ``"pipeline_parallel"`` outermost,
+    then ``"data_parallel"``), when it was built with one.
     """
 
     topology: PipelineTopology
     pp_group: Any
     dp_group: Any
     timeout: timedelta | None = None
+    #: the job's ``torch.distributed.device_mesh.DeviceMesh`` (``None`` for hand-made groups)
+    mesh: Any = None
     _extra: dict[tuple[tuple[int, ...], ...], Any] = field(default_factory=dict, repr=False)
 
     def new_groups(self, rank_lists: list[list[int]]) -> Any:
@@ -155,13 +171,21 @@ class ProcessGroups:
         return mine
 
 
-def build_process_groups(topo: PipelineTopology, timeout: timedelta | None = None) -> ProcessGroups:
-    """Create the pp and dp groups of ``topo``; every rank must call this, in the same order.
+def build_process_groups(
+    topo: PipelineTopology, timeout: timedelta | None = None, device_type: str = "cpu"
+) -> ProcessGroups:
+    """Create the job's ``DeviceMesh`` (``pp`` x ``dp``, named :data:`MESH_DIMS`) and take the
+    pp and dp groups from it; every rank must call this, in the same order.
 
     Requires ``torch.distributed`` to be initialized with ``world_size == topo.world_size``.
-    Groups that span the whole world reuse the default group (no new communicator).
+    A dim that spans the whole world reuses the default group (no new communicator).
+    ``device_type``: the mesh's (``"cpu"``, ``"cuda"``), for the DTensors built on it.
+
+    The mesh's rank order is the topology's: ``global_rank = pp_rank * dp + dp_rank`` is the
+    row-major index of ``(pp_rank, dp_rank)`` in a ``(pp, dp)`` array.
     """
     import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
 
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("build_process_groups needs torch.distributed to be initialized first")
@@ -170,14 +194,14 @@ def build_process_groups(topo: PipelineTopology, timeout: timedelta | None = Non
             f"topology (world_size={topo.world_size}, rank={topo.rank}) does not match the "
             f"process group (world_size={dist.get_world_size()}, rank={dist.get_rank()})"
         )
-    world = dist.group.WORLD
-    groups = ProcessGroups(topology=topo, pp_group=None, dp_group=None, timeout=timeout)
-    if topo.dp == 1:
-        groups.pp_group = world
-    else:
-        groups.pp_group = groups.new_groups(topo.all_pipelines())
-    if topo.pp == 1:
-        groups.dp_group = world
-    else:
-        groups.dp_group = groups.new_groups(topo.all_dp_groups())
-    return groups
+    import torch
+
+    ranks = torch.arange(topo.world_size).reshape(topo.pp, topo.dp)
+    mesh = DeviceMesh(device_type, ranks, mesh_dim_names=MESH_DIMS)
+    return ProcessGroups(
+        topology=topo,
+        pp_group=mesh.get_group(PP_DIM),
+        dp_group=mesh.get_group(DP_DIM),
+        timeout=timeout,
+        mesh=mesh,
+    )

@@ -109,6 +109,9 @@ class DeferredGradSync:
         self.chunk_buckets: list[list[list[nn.Parameter]]] = [_buckets(ps, cap) for ps in owned]
         self._pending: list[tuple[Any, Tensor, list[nn.Parameter]]] = []
         self._launched: set[int] = set()
+        #: ids of tied parameters whose copies this sync sums itself (none here; the sharded
+        #: sync sums their rows), which :meth:`TiedParameterSync.all_reduce_grads` then skips
+        self.tied_handled: set[int] = set()
         #: the launches of the latest step that reduced (of the one in progress, once it
         #: launched): one event per bucket.
         self.events: list[LaunchEvent] = []
@@ -208,8 +211,12 @@ class TiedParameterSync:
                     min_timeout=120.0,  # at set-up: ranks arrive seconds apart
                 )
 
-    def all_reduce_grads(self) -> None:
+    def all_reduce_grads(self, skip: set[int] | None = None) -> None:
+        """Sum each tied weight's gradient over its copies; ``skip``: ids of parameters summed
+        elsewhere (the sharded sync sums their rows)."""
         for g in self.groups:
+            if skip and id(g.param) in skip:
+                continue
             if g.param.grad is None:
                 g.param.grad = torch.zeros_like(g.param)
             work = dist.all_reduce(g.param.grad, op=dist.ReduceOp.SUM, group=g.group, async_op=True)

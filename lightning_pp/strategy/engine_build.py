@@ -26,7 +26,8 @@ from torch import Tensor, nn
 
 from ..layout.plan import PipelinePlan
 from ..layout.rank_layout import RankLayout
-from ..runtime.grad_sync import DeferredGradSync
+from ..runtime.distributed_optimizer import ShardedGradSync
+from ..runtime.grad_sync import DeferredGradSync, TiedParameterSync
 from .stage_logging import refuse_logs
 
 if TYPE_CHECKING:
@@ -63,10 +64,27 @@ def module_io(module: Any, rank: int, loss_scale: LossScale) -> dict[str, Any]:
 
 
 def build_grad_sync(
-    chunks: Sequence[nn.Module], layout: RankLayout, bucket_cap_mb: float
+    chunks: Sequence[nn.Module],
+    layout: RankLayout,
+    bucket_cap_mb: float,
+    zero: int = 0,
+    tied: TiedParameterSync | None = None,
 ) -> DeferredGradSync:
     """The deferred data-parallel all-reduce of this rank's chunks' gradients (the engine fires
-    a chunk's buckets after its last backward)."""
+    a chunk's buckets after its last backward); with ``zero`` 1 or 2 the reduce-scatter of the
+    distributed optimizer (:class:`~lightning_pp.runtime.distributed_optimizer.ShardedGradSync`,
+    which also sums the rows of ``tied`` weights)."""
+    if zero:
+        topo = layout.need_topology()
+        return ShardedGradSync(
+            [list(c.parameters()) for c in chunks],
+            layout.need_groups().dp_group,
+            topo.dp,
+            topo.dp_rank,
+            zero=zero,
+            bucket_cap_mb=bucket_cap_mb,
+            tied=tied,
+        )
     return DeferredGradSync(
         [list(c.parameters()) for c in chunks],
         layout.need_groups().dp_group,
@@ -117,8 +135,9 @@ def log_start(
     schedule, and what the engine resolved for the transfers."""
     for line in plan.describe():
         log.info(line)
+    collective = "reduce-scatter" if plan.zero else "all-reduce"
     log.info(
         f"engine: receive lookahead {engine.recv_lookahead} action(s); data-parallel "
-        f"all-reduce in buckets of {bucket_cap_mb:g} MB "
+        f"{collective} in buckets of {bucket_cap_mb:g} MB "
         f"({grad_sync.num_buckets} on rank 0, dp={plan.dp})"
     )

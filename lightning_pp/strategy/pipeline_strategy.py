@@ -40,6 +40,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -64,6 +65,7 @@ from ..layout.rules import (
     default_schedule,
 )
 from ..layout.topology import PipelineTopology, ProcessGroups, build_process_groups
+from ..runtime.distributed_optimizer import ShardedGradSync
 from ..runtime.errors import DEFAULT_WATCHDOG_TIMEOUT, PipelineAborted, report_failure
 from ..runtime.grad_sync import DeferredGradSync, TiedParameterSync
 from ..runtime.recompute import select_targets, selective_units
@@ -71,7 +73,7 @@ from ..schedules import chunks_per_rank
 from . import eval_step
 from .engine_build import LossScale, build_engine, build_grad_sync, log_start, module_io
 from .model_summary import restore_summaries, use_stage_summaries
-from .precision import GlobalNormClipping, with_global_norm_clipping
+from .precision import GlobalNormClipping, clip_by_global_norm, with_global_norm_clipping
 from .preflight import check_module, check_recompute_targets, meta_view
 from .process_group import ProcessGroupStrategy, StartMethod
 from .split_build import SplitPipeline
@@ -137,6 +139,17 @@ class PipelineStrategy(ProcessGroupStrategy):
             A save waits for the previous one; loads and teardown wait for it too, and
             :meth:`wait_for_checkpoint` waits on demand. See docs/checkpoints.md
             "Asynchronous save".
+        zero: shard over the data-parallel replicas, Megatron's distributed optimizer:
+            ``1`` the optimizer state (each replica steps its 1/dp of every gradient bucket, then
+            the updated parameters are all-gathered), ``2`` the gradients too (a bucket's
+            full-size gradients are freed once its reduce-scatter starts). Elementwise
+            optimizers (Adam, AdamW, SGD, ...). See docs/strategy.md "Scaling past one
+            replica's memory".
+        fsdp: FSDP2 (``fully_shard``) per chunk over the data-parallel replicas: parameters,
+            gradients and optimizer state sharded (ZeRO-3). Not with ``zero``.
+        reshard_after_forward: with ``fsdp``, free each chunk's gathered parameters after
+            every forward (one all-gather per microbatch: for memory-bound runs); default
+            ``False`` keeps them gathered for the whole step.
 
     Example::
 
@@ -171,6 +184,9 @@ class PipelineStrategy(ProcessGroupStrategy):
         recompute: RecomputeSpec = None,
         activation_budget: int | str | None = None,
         async_checkpoint: bool = False,
+        zero: int = 0,
+        fsdp: bool = False,
+        reshard_after_forward: bool = False,
     ) -> None:
         super().__init__(
             start_method=start_method,
@@ -189,6 +205,8 @@ class PipelineStrategy(ProcessGroupStrategy):
         self.group_size = group_size
         self.release_outputs = release_outputs
         self.bucket_cap_mb = bucket_cap_mb
+        self.zero, self.fsdp = zero, fsdp
+        self.reshard_after_forward = reshard_after_forward
         self.watchdog_timeout = watchdog_timeout
         self.check_finite = check_finite
         self.recv_lookahead = recv_lookahead
@@ -250,6 +268,19 @@ class PipelineStrategy(ProcessGroupStrategy):
         return self.layout.groups
 
     @property
+    def device_mesh(self) -> DeviceMesh:
+        """The job's ``DeviceMesh``: dims ``"pipeline_parallel"`` (outermost) and
+        ``"data_parallel"``, as Lightning's ``ModelParallelStrategy`` names them; every process
+        group of the run comes from it (after ``setup_environment``)."""
+        groups = self.layout.groups
+        if groups is None or groups.mesh is None:
+            raise RuntimeError(
+                "PipelineStrategy.device_mesh is set up with the process groups, in "
+                "setup_environment; it is not available before"
+            )
+        return groups.mesh
+
+    @property
     def placement(self) -> LayerPlacement | None:
         """Which layers each rank holds (set once the module's layer count is known)."""
         return self.layout.placement
@@ -302,7 +333,7 @@ class PipelineStrategy(ProcessGroupStrategy):
     # the rules and their messages). Each runs on every rank alike, before any communication
     # that a bad value would hang.
     def _settings(self) -> dict[str, Any]:
-        names = ("partition", "group_size", "recv_lookahead", "bucket_cap_mb")
+        names = ("partition", "group_size", "recv_lookahead", "bucket_cap_mb", "zero", "fsdp")
         return {
             **{name: getattr(self, name) for name in names},
             "vpp": self._vpp,
@@ -362,7 +393,13 @@ class PipelineStrategy(ProcessGroupStrategy):
         super().setup_environment()  # the default process group
         topo = PipelineTopology.from_world(self.world_size, self.global_rank, self.pp)
         self.layout.topology = topo
-        self.layout.groups = build_process_groups(topo, timeout=self._timeout)
+        self.layout.groups = build_process_groups(
+            topo, timeout=self._timeout, device_type=self.root_device.type
+        )
+        # As Lightning's ModelParallelStrategy does: the model's hooks (configure_model first)
+        # read the job's mesh as ``self.device_mesh``.
+        if self.lightning_module is not None:
+            self.lightning_module._device_mesh = self.device_mesh
 
     # ------------------------------------------------------------------ building the model
     @contextmanager
@@ -388,7 +425,12 @@ class PipelineStrategy(ProcessGroupStrategy):
         self.tied_sync.broadcast_weights()  # the copies start from the owner's values
         self._setup_training(trainer)
         self._check_recompute_targets()
-        self.grad_sync = build_grad_sync(self.chunks, layout, self.bucket_cap_mb)
+        self.grad_sync = build_grad_sync(
+            self.chunks, layout, self.bucket_cap_mb, zero=self.zero, tied=self.tied_sync
+        )
+        if isinstance(self.grad_sync, ShardedGradSync):
+            for optimizer in self.optimizers:  # each now steps this rank's rows
+                self.grad_sync.shard_optimizer(optimizer)
         if self.split_pipeline is not None:
             io = self.split_pipeline.engine_kwargs(self.loss_scale, device)
         else:
@@ -462,7 +504,12 @@ class PipelineStrategy(ProcessGroupStrategy):
         )
 
     def _clip(self, params: Sequence[nn.Parameter], max_norm: float) -> Tensor:
-        """``gradient_clip_val``: by the norm of every stage (lightning_pp.strategy.precision)."""
+        """``gradient_clip_val``: by the norm of every stage (lightning_pp.strategy.precision);
+        under ``zero`` the optimizer's parameters are rows, distinct on every rank, so the
+        squares are summed over the whole world, tied copies' rows counted once."""
+        if isinstance(self.grad_sync, ShardedGradSync):
+            skip = self.grad_sync.grad_norm_skip(self.tied_sync)
+            return clip_by_global_norm(params, max_norm, torch.distributed.group.WORLD, skip=skip)
         return clip_grad_by_global_norm(params, max_norm, self.layout.need_groups(), self.tied_sync)
 
     # ------------------------------------------------------------------ training
@@ -525,7 +572,17 @@ class PipelineStrategy(ProcessGroupStrategy):
         """This rank's optimizer state keyed by parameter name (stages' indices would collide)."""
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer.optimizer
-        return module_optimizer_state(optimizer, self.lightning_module, self._stored_names())
+        whole = self._unsharded([optimizer])[0]  # zero: gathered, as an unsharded run saves it
+        return module_optimizer_state(whole, self.lightning_module, self._stored_names())
+
+    def _unsharded(self, optimizers: Sequence[Optimizer]) -> list[Any]:
+        """``optimizers`` as checkpoints see them: the module's own parameters, whole state
+        (:class:`~lightning_pp.runtime.distributed_optimizer.UnshardedOptimizerView` under
+        ``zero``), so any sharding saves and loads the same files."""
+        sync = self.grad_sync
+        if isinstance(sync, ShardedGradSync):
+            return [sync.unsharded_view(o) for o in optimizers]
+        return list(optimizers)
 
     @override
     def save_checkpoint(
@@ -566,7 +623,7 @@ class PipelineStrategy(ProcessGroupStrategy):
             self.broadcast(str(checkpoint_path)),
             self.lightning_module,
             rank=self.global_rank,
-            optimizers=list(self.optimizers) if fitting else None,
+            optimizers=self._unsharded(self.optimizers) if fitting else None,
             scheduler_configs=trainer.lr_scheduler_configs,
             weights_only=weights_only,
             canonical=self._stored_names(),

@@ -91,7 +91,7 @@ class TrainStep:
         self.record = result.record
         if last_micro_step:
             self.grad_sync.wait()
-            self.tied_sync.all_reduce_grads()
+            self.tied_sync.all_reduce_grads(skip=self.grad_sync.tied_handled)
         loss = dp_mean(result.loss.detach(), self.layout, self.collectives) * accumulate
         # Backward already ran inside the schedule; fire the hooks users expect around it.
         precision_plugin.pre_backward(loss, module)

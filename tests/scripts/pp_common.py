@@ -131,15 +131,28 @@ def make_trainer(
     )
 
 
+class GradNormProbe(Callback):
+    """The gradient norm the clipping reads, per optimizer step (before clipping): the whole
+    model's, computed from the single process's own gradients."""
+
+    def __init__(self) -> None:
+        self.norms: list[float] = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        grads = [p.grad.detach().reshape(-1) for p in pl_module.parameters() if p.grad is not None]
+        self.norms.append(float(torch.cat(grads).norm()))
+
+
 def run_reference(accumulate: int, ckpt_dir: str) -> dict[str, Any]:
     """The same module under a plain single-process Trainer."""
-    rec = Recorder()
-    trainer = make_trainer("auto", 1, accumulate, ckpt_dir, [rec])
+    rec, norms = Recorder(), GradNormProbe()
+    trainer = make_trainer("auto", 1, accumulate, ckpt_dir, [rec, norms])
     trainer.fit(GPT(**MODEL_KW), Data(dp=1, accumulate=accumulate))
     return {
         "train_loss": rec.train_loss,
         "val": rec.val,
         "best": os.path.basename(trainer.checkpoint_callback.best_model_path),
+        "grad_norm": norms.norms,
     }
 
 

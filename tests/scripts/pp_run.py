@@ -49,12 +49,23 @@ _real_all_reduce = dist.all_reduce
 def _counting_all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
     if async_op:
         caller = sys._getframe(1).f_globals.get("__name__")
-        if caller == "lightning_pp.runtime.grad_sync":
+        if caller in _SYNC_MODULES:
             _CALLS.append({"t": time.perf_counter(), "numel": tensor.numel(), "group": group})
     return _real_all_reduce(tensor, op=op, group=group, async_op=async_op)
 
 
 dist.all_reduce = _counting_all_reduce
+_real_reduce_scatter = dist.reduce_scatter_tensor
+_SYNC_MODULES = ("lightning_pp.runtime.grad_sync", "lightning_pp.runtime.distributed_optimizer")
+
+
+def _counting_reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
+    if async_op and sys._getframe(1).f_globals.get("__name__") in _SYNC_MODULES:
+        _CALLS.append({"t": time.perf_counter(), "numel": input.numel(), "group": group})
+    return _real_reduce_scatter(output, input, op=op, group=group, async_op=async_op)
+
+
+dist.reduce_scatter_tensor = _counting_reduce_scatter
 
 
 class SyncProbe(Callback):
@@ -86,8 +97,69 @@ class SyncProbe(Callback):
                 "call_numels": [c["numel"] for c in _CALLS if c["group"] is s.groups.dp_group],
                 "last_b": {str(k): v for k, v in last_b.items()},
                 "last_backward_start": max((e.start for e in backs), default=None),
+                "last_action": max(
+                    ({"start": e.start, "end": e.end} for e in record.events),
+                    key=lambda x: x["end"],
+                    default=None,
+                ),
             }
         )
+
+
+def _plant_summed_reduce_scatter() -> None:
+    """A planted bug for the tests that must catch it: the distributed optimizer's
+    reduce-scatter sums the replicas' gradients instead of averaging them (what FSDP2 does on
+    gloo, pytorch#162338): its input is multiplied back by dp."""
+    import lightning_pp.runtime.distributed_optimizer as zero_module
+
+    real = dist.reduce_scatter_tensor
+
+    def summed(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        input.mul_(dist.get_world_size(group))
+        return real(output, input, op=op, group=group, async_op=async_op)
+
+    planted = type("PlantedDist", (), {})()  # a namespace: the real module's names
+    for name in dir(dist):
+        if not name.startswith("__"):
+            setattr(planted, name, getattr(dist, name))
+    planted.reduce_scatter_tensor = summed
+    zero_module.dist = planted
+
+
+def _remove_plant() -> None:
+    import lightning_pp.runtime.distributed_optimizer as zero_module
+
+    zero_module.dist = dist  # the shared worlds run other cases in this process next
+
+
+def held_bytes(optimizer, params) -> dict:
+    """Bytes this rank holds after training, measured from the tensors: parameters, gradients
+    (the module's and the optimizer's own, e.g. zero's rows), optimizer state."""
+    opt_params = [p for g in optimizer.param_groups for p in g["params"]]
+    seen = {id(p) for p in params}
+    grads = [p.grad for p in params if p.grad is not None]
+    grads += [p.grad for p in opt_params if id(p) not in seen and p.grad is not None]
+    state = [
+        t
+        for st in optimizer.state.values()
+        for t in st.values()
+        if isinstance(t, torch.Tensor) and t.dim() > 0
+    ]
+    return {
+        "params": sum(p.numel() * p.element_size() for p in params),
+        "grads": sum(g.numel() * g.element_size() for g in grads),
+        "optimizer": sum(t.numel() * t.element_size() for t in state),
+    }
+
+
+def _sharding(strategy) -> dict:
+    """The sharded sync's padding (elements per rank's block beyond the parameters' rows)."""
+    sync = strategy.grad_sync
+    buckets = getattr(sync, "buckets", [])
+    return {
+        "padding": sum(b.layout.padding_numel for b in buckets) // max(1, strategy.topology.dp),
+        "kind": type(sync).__name__,
+    }
 
 
 def run(cfg: dict, devices: int, out: str) -> None:
@@ -98,7 +170,21 @@ def run(cfg: dict, devices: int, out: str) -> None:
         microbatches=cfg.get("microbatches"),
         schedule=cfg.get("schedule"),
         bucket_cap_mb=cfg.get("bucket_cap_mb", 25.0),
+        zero=cfg.get("zero", 0),
+        recompute=cfg.get("recompute"),
     )
+    if cfg.get("plant") == "no_average":
+        _plant_summed_reduce_scatter()
+    # the global gradient norm the strategy's clipping computes, per optimizer step
+    norms: list[float] = []
+    clip = strategy._clip
+
+    def recorded_clip(params, max_norm):
+        norm = clip(params, max_norm)
+        norms.append(float(norm))
+        return norm
+
+    strategy._clip = recorded_clip
     world = int(os.environ.get("WORLD_SIZE", devices))
     dp = world // cfg["pp"]
     rec, probe = Recorder(), SyncProbe()
@@ -112,7 +198,10 @@ def run(cfg: dict, devices: int, out: str) -> None:
         num_nodes=max(1, world // devices),
     )
     model = GPT(**MODEL_KW)
-    trainer.fit(model, Data(dp=dp, accumulate=cfg["accumulate"]))
+    try:
+        trainer.fit(model, Data(dp=dp, accumulate=cfg["accumulate"]))
+    finally:
+        _remove_plant()
 
     layers = model.layers
     meta_counts = layers.layer_param_counts()
@@ -150,6 +239,9 @@ def run(cfg: dict, devices: int, out: str) -> None:
             "num_storages": len(storages),
             "tied": tied,
             "sync": probe.steps,
+            "held": held_bytes(trainer.optimizers[0], params),
+            "grad_norm": norms,
+            "sharding": _sharding(strategy),
         },
     )
     # every rank finished writing before the next configuration reuses the process group

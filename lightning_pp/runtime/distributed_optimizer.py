@@ -1,0 +1,383 @@
+"""The distributed optimizer (ZeRO-1/2, Megatron-style) inside the deferred gradient sync.
+
+:class:`~lightning_pp.runtime.grad_sync.DeferredGradSync` starts each chunk's bucketed
+all-reduce at the chunk's last backward (its last W under zero-bubble). :class:`ShardedGradSync`
+starts a **reduce-scatter** there instead: each data-parallel rank receives the average of its
+own rows of every parameter of the bucket (:mod:`~lightning_pp.runtime.shard_layout`), and the
+optimizer steps only those rows. After the step the updated rows are all-gathered back into
+every replica's parameters. Optimizer state is 1/dp per rank; with ``zero=2`` the full-size
+gradients are freed as soon as their bucket's reduce-scatter is started, so between steps a rank
+holds 1/dp of them.
+
+The optimizer the module configured is kept (its class, hyperparameters, param groups,
+learning-rate schedulers); :meth:`ShardedGradSync.shard_optimizer` swaps each parameter in its
+groups for the parameter's local rows (the *main* parameter: a view of the rows for fp32
+parameters, an fp32 copy, the master weight, for lower-precision ones). That is exact for
+optimizers whose update of an element depends only on that element's own history (Adam,
+AdamW, SGD, RMSprop, ...), which is what Megatron's distributed optimizer assumes too.
+
+Tied weights held by several pipeline ranks (embedding and head) get a bucket of their own on
+each rank, so every copy is cut into the same rows; after the data-parallel reduce-scatter the
+copies' row gradients are summed over the tied group, as :class:`TiedParameterSync` sums whole
+gradients without sharding.
+
+Example (the strategy does this at setup)::
+
+    sync = ShardedGradSync(chunk_params, dp_group, dp_size=2, dp_rank=r, zero=1, tied=tied)
+    sync.shard_optimizer(optimizer)     # its groups now hold this rank's rows
+    sync.enabled = is_last_micro_step
+    engine.train_step(batch)            # the engine calls sync.on_chunk_grads_ready(c)
+    sync.wait()                         # main parameters hold averaged row gradients
+    optimizer.step()                    # steps the rows; a post-step hook all-gathers them
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from .failure import monitored_wait
+from .grad_sync import DeferredGradSync, LaunchEvent, TiedParameterSync, _ranks
+from .shard_layout import BucketLayout, ShardMember
+
+__all__ = ["NOT_ELEMENTWISE", "ShardedGradSync", "UnshardedOptimizerView"]
+
+#: torch optimizers whose update of an element reads other elements (a row or column
+#: statistic, a line search): stepping a shard would not equal stepping the whole tensor
+NOT_ELEMENTWISE = ("LBFGS", "Adafactor", "SparseAdam", "Muon")
+
+
+@dataclass
+class _Bucket:
+    chunk: int
+    index: int
+    layout: BucketLayout
+    tied_group: Any = None  # the tied weight's group when this bucket holds one
+
+
+class ShardedGradSync(DeferredGradSync):
+    """Reduce-scatter per bucket at each chunk's last backward; the optimizer steps this rank's
+    rows; :meth:`gather_params` all-gathers them after the step (see the module docstring).
+
+    Args:
+        chunk_params, group, dp_size, bucket_cap_mb: as :class:`DeferredGradSync`.
+        dp_rank: this rank's index among its stage's replicas.
+        zero: 1 keeps the full-size gradients allocated (zeroed once packed, reused next
+            step); 2 frees them once packed.
+        tied: the rank's tied weights; their row gradients are summed over each tied group in
+            :meth:`wait`, so the caller must not all-reduce them again.
+    """
+
+    def __init__(
+        self,
+        chunk_params: Sequence[Sequence[nn.Parameter]],
+        group: Any,
+        dp_size: int,
+        dp_rank: int,
+        zero: int = 1,
+        bucket_cap_mb: float = 25.0,
+        tied: TiedParameterSync | None = None,
+    ) -> None:
+        if zero not in (1, 2):
+            raise ValueError(f"ShardedGradSync needs zero=1 or 2, got {zero!r}")
+        if dp_size < 2:
+            raise ValueError(f"zero={zero} shards over data-parallel replicas, but dp={dp_size}")
+        super().__init__(chunk_params, group, dp_size, bucket_cap_mb)
+        self.zero, self.dp_rank = zero, dp_rank
+        tied_groups = {id(g.param): g.group for g in (tied.groups if tied else [])}
+        #: ids of parameters whose tied-copy sum happens here, on their rows
+        self.tied_handled: set[int] = set(tied_groups)
+        self.buckets: list[_Bucket] = []
+        for c, chunk_buckets in enumerate(self.chunk_buckets):
+            regrouped: list[tuple[list[nn.Parameter], Any]] = []
+            for bucket in chunk_buckets:
+                plain = [p for p in bucket if id(p) not in tied_groups]
+                if plain:
+                    regrouped.append((plain, None))
+                # a tied copy alone in its bucket: the same rows on every holder
+                regrouped += [([p], tied_groups[id(p)]) for p in bucket if id(p) in tied_groups]
+            for i, (params, tied_group) in enumerate(regrouped):
+                layout = BucketLayout.build(params, dp_size, dp_rank)
+                self.buckets.append(_Bucket(c, i, layout, tied_group))
+        #: this rank's rows of each parameter it shards: what the optimizer steps
+        self.main: dict[int, nn.Parameter] = {}
+        #: the same, by main parameter: (member, layout) it stands for
+        self._member_of: dict[int, tuple[ShardMember, BucketLayout]] = {}
+        for b in self.buckets:
+            for m in b.layout.members:
+                if m.local_numel:
+                    main = _main_parameter(m)
+                    self.main[id(m.param)] = main
+                    self._member_of[id(main)] = (m, b.layout)
+        self._pending_rs: list[tuple[Any, Tensor, _Bucket]] = []
+        self._original_params: dict[int, list[list[nn.Parameter]]] = {}
+        self._sharded = {id(m.param) for b in self.buckets for m in b.layout.members}
+
+    @property
+    def num_buckets(self) -> int:
+        return len(self.buckets)
+
+    # ---------------------------------------------------------------- gradients
+    def on_chunk_grads_ready(self, chunk: int) -> None:
+        """Engine hook: chunk ``chunk`` has run its last backward of the step; its buckets'
+        reduce-scatters start now."""
+        if not self.enabled or chunk in self._launched:
+            return
+        if not self._launched:
+            self.events.clear()
+        self._launched.add(chunk)
+        for b in self.buckets:
+            if b.chunk != chunk:
+                continue
+            members = b.layout.members
+            flat = b.layout.pack([m.param.grad for m in members])
+            self._release_grads(members)
+            # Pre-divide (as DDP does): the SUM over replicas is then the average. gloo's
+            # reduce-scatter has no AVG, and FSDP2 on gloo is caught summing (pytorch#162338).
+            flat.div_(self.dp_size)
+            out = torch.empty(b.layout.shard_numel, dtype=flat.dtype, device=flat.device)
+            self.events.append(LaunchEvent(chunk, b.index, flat.numel(), time.perf_counter()))
+            handle = dist.reduce_scatter_tensor(out, flat, group=self.group, async_op=True)
+            self._pending_rs.append((handle, out, b))
+
+    def _release_grads(self, members: Sequence[ShardMember]) -> None:
+        for m in members:
+            if m.param.grad is None:
+                continue
+            if self.zero == 2:
+                m.param.grad = None  # freed: only the rows survive the step
+            else:
+                m.param.grad.zero_()  # kept for the next step's accumulation
+
+    def wait(self) -> None:
+        """Finish every reduce-scatter; each main parameter's ``.grad`` is its rows' average
+        over the replicas (tied copies: summed over the copies too)."""
+        if self.enabled:
+            for c in range(len(self.chunk_buckets)):
+                self.on_chunk_grads_ready(c)
+        for handle, out, b in self._pending_rs:
+            monitored_wait(
+                [handle],
+                f"in the data-parallel gradient reduce_scatter (chunk {b.chunk} bucket "
+                f"{b.index}, {b.layout.numel} values)",
+                _ranks(self.group),
+            )
+            if b.tied_group is not None:
+                work = dist.all_reduce(out, op=dist.ReduceOp.SUM, group=b.tied_group, async_op=True)
+                name = b.layout.members[0].param.shape
+                monitored_wait(
+                    [work],
+                    f"in the tied-gradient all_reduce (rows, shape {tuple(name)})",
+                    _ranks(b.tied_group),
+                )
+            for m in b.layout.members:
+                main = self.main.get(id(m.param))
+                if main is not None:
+                    grad = b.layout.local_view(out, m)
+                    main.grad = grad if grad.dtype == main.dtype else grad.to(main.dtype)
+        self._pending_rs.clear()
+        self._launched.clear()
+
+    # ---------------------------------------------------------------- parameters
+    def gather_params(self) -> None:
+        """After the optimizer step: every replica's parameters get every rank's updated rows
+        (one all-gather per bucket, all started before the first is waited for)."""
+        pending = []
+        for b in self.buckets:
+            layout = b.layout
+            pieces = [self.main.get(id(m.param)) for m in layout.members]
+            local = layout.pack_local([None if p is None else p.detach() for p in pieces])
+            flat = torch.empty(layout.numel, dtype=local.dtype, device=local.device)
+            work = dist.all_gather_into_tensor(flat, local, group=self.group, async_op=True)
+            pending.append((work, flat, b))
+        with torch.no_grad():
+            for work, flat, b in pending:
+                monitored_wait(
+                    [work],
+                    f"in the parameter all_gather after the optimizer step (chunk {b.chunk} "
+                    f"bucket {b.index}, {b.layout.numel} values)",
+                    _ranks(self.group),
+                )
+                for m in b.layout.members:
+                    m.rows_view(m.param.data).copy_(b.layout.unpack_full(flat, m))
+
+    def shard_optimizer(self, optimizer: Optimizer) -> None:
+        """Swap every sharded parameter in ``optimizer``'s groups for this rank's rows (a
+        parameter whose rows here are empty leaves the group) and all-gather the parameters
+        after each ``optimizer.step()``. Call before the optimizer has any state."""
+        name = type(optimizer).__name__
+        if name in NOT_ELEMENTWISE:
+            raise ValueError(
+                f"zero={self.zero} cannot shard {name}: its update of an element reads other "
+                f"elements, so stepping 1/{self.dp_size} of a tensor is not stepping the "
+                f"tensor; use zero=0 (or fsdp=True, whose shards are DTensors) with {name}"
+            )
+        if not type(optimizer).__module__.startswith("torch.optim"):
+            warnings.warn(
+                f"zero={self.zero} shards {name} elementwise: each rank steps its rows of every "
+                f"parameter. That equals the unsharded step only if the optimizer's update of "
+                f"an element depends on that element alone (true of Adam, AdamW, SGD, Lion).",
+                stacklevel=2,
+            )
+        if optimizer.state:
+            raise ValueError(
+                f"zero={self.zero}: the optimizer already has state for {len(optimizer.state)} "
+                f"parameters; shard it before its first step"
+            )
+        self._original_params[id(optimizer)] = [list(g["params"]) for g in optimizer.param_groups]
+        for group in optimizer.param_groups:
+            swapped = []
+            for p in group["params"]:
+                if id(p) in self.main:
+                    swapped.append(self.main[id(p)])
+                elif id(p) not in self._sharded:
+                    swapped.append(p)  # not synchronised here (frozen): stepped as it is
+            group["params"] = swapped
+        optimizer.register_step_post_hook(lambda *_: self.gather_params())
+
+    def unsharded_view(self, optimizer: Optimizer) -> UnshardedOptimizerView:
+        """``optimizer`` as if it were not sharded, for checkpoints (see the class)."""
+        return UnshardedOptimizerView(self, optimizer, self._original_params[id(optimizer)])
+
+    def gather_full(self, pieces: dict[int, Tensor]) -> dict[int, Tensor]:
+        """Collective over the dp group: every sharded parameter's whole tensor, from each
+        rank's rows in ``pieces`` (``id(param) -> rows``; absent: this rank holds none).
+        Returns ``id(param) -> tensor`` shaped as the parameter."""
+        full: dict[int, Tensor] = {}
+        for b in self.buckets:
+            layout = b.layout
+            local = layout.pack_local([pieces.get(id(m.param)) for m in layout.members])
+            flat = torch.empty(layout.numel, dtype=local.dtype, device=local.device)
+            work = dist.all_gather_into_tensor(flat, local, group=self.group, async_op=True)
+            monitored_wait(
+                [work], "in the optimizer-state all_gather of a checkpoint save", _ranks(self.group)
+            )
+            for m in layout.members:
+                full[id(m.param)] = layout.unpack_full(flat, m).reshape(m.param.shape).clone()
+        return full
+
+    def grad_norm_skip(self, tied: TiedParameterSync) -> set[int]:
+        """ids of main parameters a global norm must not count: rows of tied copies not held
+        by the tied weight's owner (the owner's rows are the same rows)."""
+        return {id(self.main[i]) for i in tied.non_owner_params() if i in self.main}
+
+    def state_bytes(self, optimizer: Optimizer) -> int:
+        """Bytes of ``optimizer``'s state tensors (measured from the tensors)."""
+        return sum(
+            t.numel() * t.element_size()
+            for state in optimizer.state.values()
+            for t in state.values()
+            if isinstance(t, Tensor) and t.dim() > 0
+        )
+
+
+def _main_parameter(member: ShardMember) -> nn.Parameter:
+    """This rank's rows of ``member``'s parameter as a parameter of their own: a view of the
+    rows for fp32 (the step writes the model's tensor directly), an fp32 copy for lower
+    precision (the master weight; the all-gather casts it back)."""
+    p = member.param
+    if p.dtype == torch.float32 and p.is_contiguous():
+        return nn.Parameter(member.local_piece(p.data))
+    return nn.Parameter(member.local_piece(p.data).to(torch.float32).clone())
+
+
+class UnshardedOptimizerView:
+    """A sharded optimizer seen whole, by checkpoints: ``param_groups`` list the module's own
+    parameters (as the optimizer held them before :meth:`ShardedGradSync.shard_optimizer`),
+    ``state_dict()`` all-gathers every state tensor over the replicas (collective: every dp
+    rank calls it, in the same order), and ``load_state_dict()`` keeps this rank's rows of each
+    whole tensor it is given. On disk the state is then the unsharded optimizer's, by name, so a
+    checkpoint loads into any ``zero``/``dp`` (and into a plain Trainer).
+
+    Saving gathers one stage's whole optimizer state on each rank for the duration of the save
+    (the memory an unsharded run holds all along).
+
+    Example::
+
+        view = sync.unsharded_view(optimizer)
+        saved = view.state_dict()           # whole tensors, module parameters' positions
+        view.load_state_dict(saved)         # each rank keeps its rows
+    """
+
+    def __init__(
+        self, sync: ShardedGradSync, optimizer: Optimizer, original: list[list[nn.Parameter]]
+    ) -> None:
+        self.sync, self.optimizer = sync, optimizer
+        self.param_groups = [
+            {**{k: v for k, v in g.items() if k != "params"}, "params": params}
+            for g, params in zip(optimizer.param_groups, original)
+        ]
+
+    def _positions(self) -> list[nn.Parameter]:
+        return [p for g in self.param_groups for p in g["params"]]
+
+    def state_dict(self) -> dict[str, Any]:
+        sync, inner = self.sync, self.optimizer.state
+        rows: dict[str, dict[int, Tensor]] = {}  # state key -> id(param) -> this rank's rows
+        others: dict[int, dict[str, Any]] = {}  # id(param) -> step counts and other values
+        for p in self._positions():
+            main = sync.main.get(id(p))
+            for k, v in inner.get(main if main is not None else p, {}).items():
+                if main is not None and isinstance(v, Tensor) and v.shape == main.shape:
+                    rows.setdefault(k, {})[id(p)] = v
+                else:
+                    others.setdefault(id(p), {})[k] = v
+        # The keys are the optimizer's (Adam: exp_avg, exp_avg_sq), the same on every rank
+        # once it has stepped; sorted, so that every rank gathers in the same order.
+        full = {k: sync.gather_full(rows[k]) for k in sorted(rows)}
+        # A parameter with no rows here takes its step count from one that has (all step
+        # together).
+        shared = next((others[i] for i in sync.main if i in others), {})
+        state: dict[int, dict[str, Any]] = {}
+        for i, p in enumerate(self._positions()):
+            if id(p) in sync._sharded and full:
+                state[i] = {**others.get(id(p), shared), **{k: f[id(p)] for k, f in full.items()}}
+            elif id(p) in others:
+                state[i] = others[id(p)]
+        groups, index = [], 0
+        for g in self.param_groups:
+            n = len(g["params"])
+            hyper = {k: v for k, v in g.items() if k != "params"}
+            groups.append({**hyper, "params": list(range(index, index + n))})
+            index += n
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        sync, positions = self.sync, self._positions()
+        inner = self.optimizer
+        mine: dict[int, int] = {}
+        index = 0
+        for g in inner.param_groups:
+            for q in g["params"]:
+                mine[id(q)] = index
+                index += 1
+        state: dict[int, dict[str, Any]] = {}
+        for i, entry in state_dict["state"].items():
+            p = positions[i]
+            main = sync.main.get(id(p))
+            target = main if main is not None else (p if id(p) in mine else None)
+            if target is None:
+                continue  # no rows of this parameter here
+            if main is None:
+                state[mine[id(p)]] = entry
+                continue
+            member = sync._member_of[id(main)][0]
+            state[mine[id(main)]] = {
+                k: member.local_piece(v).clone()
+                if isinstance(v, Tensor) and v.shape == p.shape
+                else v
+                for k, v in entry.items()
+            }
+        groups = []
+        for g, saved in zip(inner.param_groups, state_dict["param_groups"]):
+            hyper = {k: v for k, v in saved.items() if k != "params"}
+            groups.append({**hyper, "params": [mine[id(q)] for q in g["params"]]})
+        inner.load_state_dict({"state": state, "param_groups": groups})

@@ -1,0 +1,138 @@
+"""Where each data-parallel rank's shard of a gradient bucket lies (ZeRO-1/2 layout, no
+communication here).
+
+Every parameter is cut along its first dim into ``dp`` pieces by ``torch.chunk``'s rule (each
+piece ``ceil(rows / dp)`` rows, the last ones shorter or empty), which is how a ``DTensor`` with
+``Shard(0)`` over the data-parallel mesh dim holds it and how FSDP2 shards. A bucket's flat
+buffer is laid out rank by rank::
+
+    [ rank 0: p0 rows 0..c0 | p1 rows 0..c1 | ... ][ rank 1: p0 rows c0..2c0 | ... ] ...
+
+each piece padded to its full ``c`` rows, so ``reduce_scatter_tensor`` over the bucket hands
+rank ``d`` exactly its rows of every parameter, contiguous, and ``all_gather_into_tensor``
+brings the updated rows back. Because the pieces are the ``Shard(0)`` pieces, the optimizer state
+of a shard is a DTensor's local tensor: checkpoints store it by the parameter's own name and
+shape, for any later ``dp``. Padding: ``c * dp - rows`` rows per parameter (none when ``dp``
+divides ``rows``).
+
+Example:
+    >>> import torch
+    >>> w = torch.nn.Parameter(torch.zeros(5, 3))
+    >>> b = torch.nn.Parameter(torch.zeros(4))
+    >>> layout = BucketLayout.build([w, b], dp=2, dp_rank=1)
+    >>> [(m.rows, m.chunk_rows, m.lo, m.hi) for m in layout.members]
+    [(5, 3, 3, 5), (4, 2, 2, 4)]
+    >>> (layout.shard_numel, layout.numel)     # 3 rows x 3 + 2 = 11 per rank, 2 ranks
+    (11, 22)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["BucketLayout", "ShardMember"]
+
+
+@dataclass(frozen=True)
+class ShardMember:
+    """One parameter of a bucket: its rows, the rows of every rank's piece, and this rank's."""
+
+    param: nn.Parameter
+    rows: int  # first-dim size (1 for a scalar)
+    row_numel: int  # elements per row
+    chunk_rows: int  # ceil(rows / dp): every rank's slot in the flat buffer
+    lo: int  # this rank's rows [lo, hi) (empty when lo == hi)
+    hi: int
+    offset: int  # start of this member's slot inside one rank's block
+
+    @property
+    def slot_numel(self) -> int:
+        return self.chunk_rows * self.row_numel
+
+    @property
+    def local_numel(self) -> int:
+        return (self.hi - self.lo) * self.row_numel
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        rest = tuple(self.param.shape[1:]) if self.param.dim() > 0 else ()
+        return (self.hi - self.lo, *rest)
+
+    def rows_view(self, tensor: Tensor) -> Tensor:
+        """``tensor`` (shaped as the parameter) as ``(rows, row_numel)``."""
+        return tensor.reshape(self.rows, self.row_numel)
+
+    def local_piece(self, tensor: Tensor) -> Tensor:
+        """This rank's rows of ``tensor`` (shaped as the parameter), a view when it can be."""
+        return self.rows_view(tensor)[self.lo : self.hi].view(self.local_shape)
+
+
+@dataclass(frozen=True)
+class BucketLayout:
+    """The rank-by-rank flat layout of one gradient bucket (see the module docstring)."""
+
+    members: tuple[ShardMember, ...]
+    dp: int
+    dp_rank: int
+    shard_numel: int  # one rank's block
+
+    @property
+    def numel(self) -> int:
+        """The whole flat buffer: ``dp`` blocks."""
+        return self.shard_numel * self.dp
+
+    @property
+    def padding_numel(self) -> int:
+        """Elements of the flat buffer that belong to no parameter."""
+        return self.numel - sum(m.param.numel() for m in self.members)
+
+    @classmethod
+    def build(cls, params: Sequence[nn.Parameter], dp: int, dp_rank: int) -> BucketLayout:
+        members, offset = [], 0
+        for p in params:
+            rows = p.shape[0] if p.dim() > 0 else 1
+            row_numel = p.numel() // rows if rows else 0
+            chunk = math.ceil(rows / dp)
+            lo, hi = min(dp_rank * chunk, rows), min((dp_rank + 1) * chunk, rows)
+            members.append(ShardMember(p, rows, row_numel, chunk, lo, hi, offset))
+            offset += chunk * row_numel
+        return cls(tuple(members), dp, dp_rank, offset)
+
+    def pack(self, tensors: Sequence[Tensor | None]) -> Tensor:
+        """The flat buffer of ``tensors`` (one per member, shaped as its parameter; ``None``:
+        zeros), laid out rank by rank, padding zeroed: the reduce-scatter's input."""
+        ref = self.members[0].param
+        pieces = []
+        for m, t in zip(self.members, tensors):
+            slots = torch.zeros(
+                m.chunk_rows * self.dp, m.row_numel, dtype=ref.dtype, device=ref.device
+            )
+            if t is not None:
+                slots[: m.rows].copy_(m.rows_view(t))
+            pieces.append(slots.view(self.dp, m.slot_numel))
+        return torch.cat(pieces, dim=1).reshape(-1)
+
+    def pack_local(self, pieces: Sequence[Tensor | None]) -> Tensor:
+        """This rank's block from its pieces (``local_shape`` each, ``None`` for an empty one):
+        the all-gather's input."""
+        ref = self.members[0].param
+        block = torch.zeros(self.shard_numel, dtype=ref.dtype, device=ref.device)
+        for m, t in zip(self.members, pieces):
+            if t is not None and m.local_numel:
+                block[m.offset : m.offset + m.local_numel].copy_(t.reshape(-1))
+        return block
+
+    def local_view(self, block: Tensor, member: ShardMember) -> Tensor:
+        """``member``'s rows inside this rank's ``block`` (a view)."""
+        return block[member.offset : member.offset + member.local_numel].view(member.local_shape)
+
+    def unpack_full(self, flat: Tensor, member: ShardMember) -> Tensor:
+        """``member``'s whole tensor from the gathered flat buffer (padding dropped)."""
+        blocks = flat.view(self.dp, self.shard_numel)
+        slots = blocks[:, member.offset : member.offset + member.slot_numel]
+        return slots.reshape(self.dp * member.chunk_rows, member.row_numel)[: member.rows]

@@ -1,0 +1,245 @@
+"""The distributed optimizer (``PipelineStrategy(zero=1|2)``) under the real Trainer and gloo.
+
+Every schedule at pp2 x dp2 trains the tied-embedding GPT for 10 steps (AdamW, clipping on,
+warmup + cosine LR) in one shared 4-rank Trainer world (:mod:`worlds`, ``pp_run``); each run's
+losses and validation metrics must be within 1e-5 of the single-process plain Trainer's (the
+unsharded, unpipelined reference: never DDP or FSDP). The same world measures each rank's held
+bytes from the tensors, and the launch times of the reduce-scatters against the engine's record.
+A planted bug (the reduce-scatter sums the replicas' gradients instead of averaging them, as
+FSDP2 does on gloo, pytorch#162338) must make the comparison fail. Checkpoints written under
+``zero=1`` resume under ``zero=0``, ``zero=2``, another schedule and a plain Trainer (the
+phases of ``ckpt_run`` in a second 4-rank world).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests" / "scripts"))
+
+from pp_common import run_reference  # noqa: E402
+from worlds import World, script_main, world  # noqa: E402
+
+REL_TOL = 1e-5
+RESHARD_TOL = 1e-6
+
+PP2 = {"pp": 2, "microbatches": 4, "accumulate": 1}
+ZERO = [
+    {"name": "gpipe_z1", **PP2, "schedule": "gpipe", "zero": 1},
+    {"name": "1f1b_z1", **PP2, "zero": 1},
+    {"name": "zbh1_z1", **PP2, "schedule": "zb-h1", "zero": 1},
+    {"name": "zbv_z1", **PP2, "schedule": "zbv", "zero": 1},
+    # pp2 x dp2 x vpp2, the tied embedding and head on different ranks, accumulation 2
+    {"name": "il_z1_acc2", **PP2, "vpp": 2, "accumulate": 2, "zero": 1},
+    # tiny buckets: several reduce-scatters per chunk; full-size gradients freed
+    {"name": "1f1b_z2_tiny", **PP2, "zero": 2, "bucket_cap_mb": 0.01},
+    {"name": "zbv_z2_acc2", **PP2, "schedule": "zbv", "accumulate": 2, "zero": 2},
+    {"name": "il_z2_recompute", **PP2, "vpp": 2, "zero": 2, "recompute": "full"},
+    {"name": "zbv_z1_bf16", **PP2, "schedule": "zbv", "zero": 1, "precision": "bf16-mixed"},
+    # unsharded, same shapes: the memory figures' baseline
+    {"name": "1f1b_z0", **PP2},
+    {"name": "zbv_z0", **PP2, "schedule": "zbv"},
+    # last (it patches the module while it runs): the planted summing bug
+    {"name": "1f1b_z1_summed", **PP2, "zero": 1, "plant": "no_average"},
+]
+EXACT = [c for c in ZERO if "plant" not in c and "precision" not in c]
+
+
+def _load(out: Path, configs: list[dict], size: int) -> dict[str, list[dict]]:
+    return {
+        c["name"]: [
+            json.loads((out / f"{c['name']}.rank{r}.json").read_text()) for r in range(size)
+        ]
+        for c in configs
+    }
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory) -> dict[int, dict]:
+    torch.set_num_threads(1)
+    base = tmp_path_factory.mktemp("ref")
+    return {acc: run_reference(acc, str(base / f"acc{acc}")) for acc in (1, 2)}
+
+
+@pytest.fixture(scope="module")
+def zero_runs(tmp_path_factory) -> dict[str, list[dict]]:
+    out = tmp_path_factory.mktemp("zero")
+    argv = ["--out", str(out), "--configs", json.dumps(ZERO)]
+    world("trainer", 4).run(script_main, "pp_run", argv, timeout=500)
+    return _load(out, ZERO, 4)
+
+
+def _rel(got: list[float], want: list[float]) -> list[float]:
+    assert len(got) == len(want), (len(got), len(want))
+    return [abs(g - w) / abs(w) for g, w in zip(got, want)]
+
+
+def _mismatches(ranks: list[dict], ref: dict, tol: float) -> list[str]:
+    """What differs from the reference beyond ``tol`` (empty: the run is the reference's)."""
+    bad = []
+    for d in ranks:
+        errs = _rel(d["train_loss"], ref["train_loss"])
+        if max(errs) > tol:
+            bad.append(f"rank {d['rank']}: train loss relative errors {max(errs):.2e}")
+        for key in ("val_loss", "val_acc"):
+            errs = _rel([v[key] for v in d["val"]], [v[key] for v in ref["val"]])
+            if max(errs) > tol:
+                bad.append(f"rank {d['rank']}: {key} relative errors {max(errs):.2e}")
+        errs = _rel(d["grad_norm"], ref["grad_norm"])
+        if max(errs) > tol:
+            bad.append(f"rank {d['rank']}: gradient norm relative errors {max(errs):.2e}")
+        if d["best"] != ref["best"]:
+            bad.append(f"rank {d['rank']}: best checkpoint {d['best']} != {ref['best']}")
+    return bad
+
+
+@pytest.mark.parametrize("cfg", EXACT, ids=[c["name"] for c in EXACT])
+def test_sharded_runs_match_the_single_process_trainer(zero_runs, references, cfg):
+    ranks = zero_runs[cfg["name"]]
+    assert len(ranks[0]["train_loss"]) == 10 * cfg["accumulate"]
+    kind = "ShardedGradSync" if cfg.get("zero") else "DeferredGradSync"
+    assert {d["sharding"]["kind"] for d in ranks} == {kind}
+    assert _mismatches(ranks, references[cfg["accumulate"]], REL_TOL) == []
+    for d in ranks[1:]:  # every rank logs the very same values
+        assert d["train_loss"] == ranks[0]["train_loss"]
+
+
+def test_the_comparison_catches_summed_gradients(zero_runs, references):
+    """The planted bug (replicas' gradients summed, not averaged) fails the same check. AdamW
+    hardly notices a gradient twice too large (its update divides by the gradient's scale, and
+    clipping scales it down again), so the losses stay close: the global gradient norm, which
+    the clipping computes and the check compares, is what doubles."""
+    ranks = zero_runs["1f1b_z1_summed"]
+    bad = _mismatches(ranks, references[1], REL_TOL)
+    assert any("gradient norm" in b for b in bad), bad
+    for d in ranks:
+        ratios = [g / w for g, w in zip(d["grad_norm"], references[1]["grad_norm"])]
+        assert all(abs(r - 2) < 1e-3 for r in ratios), ratios
+
+
+def test_bf16_mixed_with_zero_trains_close_to_fp32(zero_runs, references):
+    losses = zero_runs["zbv_z1_bf16"][0]["train_loss"]
+    assert all(math.isfinite(x) for x in losses)
+    # bf16 autocast keeps ~3 significant digits: close to fp32, not equal
+    assert max(_rel(losses, references[1]["train_loss"])) < 5e-2
+
+
+@pytest.mark.parametrize(
+    "sharded,plain", [("1f1b_z1", "1f1b_z0"), ("zbv_z1", "zbv_z0"), ("1f1b_z2_tiny", "1f1b_z0")]
+)
+def test_optimizer_state_is_one_dp_th_per_rank(zero_runs, sharded, plain):
+    """Measured from the optimizer's state tensors: each replica holds 1/dp of the unsharded
+    run's AdamW moments, give or take its rows of padding (8 bytes per padded element)."""
+    for z, u in zip(zero_runs[sharded], zero_runs[plain]):
+        assert z["dp"] == 2 and z["pp_rank"] == u["pp_rank"]
+        want = u["held"]["optimizer"] / z["dp"]
+        assert abs(z["held"]["optimizer"] - want) <= 8 * z["sharding"]["padding"], (z, u)
+        assert z["held"]["optimizer"] < u["held"]["optimizer"]
+        assert z["held"]["params"] == u["held"]["params"]  # zero shards no parameters
+
+
+def test_zero_2_keeps_only_the_gradient_rows(zero_runs):
+    """After the step, zero=2 holds the optimizer's row gradients alone (1/dp); zero=1 keeps
+    the full-size gradients allocated as well."""
+    for z2, z1, z0 in zip(zero_runs["1f1b_z2_tiny"], zero_runs["1f1b_z1"], zero_runs["1f1b_z0"]):
+        full = z0["held"]["grads"]
+        assert full == z0["held"]["params"]
+        assert abs(z2["held"]["grads"] - full / 2) <= 4 * z2["sharding"]["padding"]
+        assert z1["held"]["grads"] == full + z2["held"]["grads"]
+
+
+@pytest.mark.parametrize("name", ["1f1b_z1", "zbv_z1", "il_z1_acc2", "1f1b_z2_tiny"])
+def test_reduce_scatter_starts_at_each_chunks_last_backward(zero_runs, name):
+    """One asynchronous reduce-scatter per bucket, started inside the chunk's last B (or W),
+    before the rank's last action of the step ends; with two chunks per rank, the chunk that
+    finishes first is reducing while the rank still computes."""
+    cfg = next(c for c in ZERO if c["name"] == name)
+    for d in zero_runs[name]:
+        for i, step in enumerate(d["sync"]):
+            if (i + 1) % cfg["accumulate"]:
+                assert step["calls"] == 0 and step["launches"] == []
+                continue
+            assert step["calls"] == step["buckets"] == len(step["launches"])
+            for ev in step["launches"]:
+                last = step["last_b"][str(ev["chunk"])]
+                assert last["start"] <= ev["t"] <= last["end"]
+                assert ev["t"] <= step["last_action"]["end"]
+            if len(step["last_b"]) > 1:
+                early = min(ev["t"] for ev in step["launches"])
+                assert early < step["last_action"]["start"]
+
+
+# ---------------------------------------------------------------------------- checkpoints
+def _phases(out: Path) -> dict[str, str]:
+    z1 = out / "z1_ckpt"
+    return {"z1": str(z1), "z1_5": str(z1 / "step=5.ckpt")}
+
+
+@pytest.fixture(scope="module")
+def ckpt_runs(tmp_path_factory) -> Path:
+    """zero=1 saves at step 5; zero=1, zero=0, zero=2 under zbv, and a plain Trainer resume."""
+    out = tmp_path_factory.mktemp("zero_ckpt")
+    paths = _phases(out)
+    pp2 = {"pp": 2, "microbatches": 2}
+    phases = [
+        {"name": "z1_save", **pp2, "zero": 1, "max_steps": 5, "every": 5, "ckpt_dir": paths["z1"]},
+        {"name": "z1_resume", **pp2, "zero": 1, "max_steps": 10, "resume": paths["z1_5"]},
+        {"name": "z1_to_z0", **pp2, "max_steps": 10, "resume": paths["z1_5"]},
+        {
+            "name": "z1_to_zbv_z2",
+            "pp": 2,
+            "microbatches": 4,
+            "schedule": "zbv",
+            "zero": 2,
+            "max_steps": 10,
+            "resume": paths["z1_5"],
+        },
+    ]
+    fresh = World("trainer", 4)
+    try:
+        (out / "w").mkdir()
+        argv = ["--out", str(out / "w"), "--phases", json.dumps(phases)]
+        fresh.run(script_main, "ckpt_run", argv, timeout=400)
+    finally:
+        fresh.close()
+    from ckpt_run import run_phase
+
+    torch.set_num_threads(1)
+    (out / "p").mkdir()
+    run_phase({"name": "plain_full", "pp": 0, "max_steps": 10}, str(out / "p"), 1)
+    plain = {"name": "z1_to_plain", "pp": 0, "max_steps": 10, "resume": paths["z1_5"]}
+    run_phase({**plain, "pipeline_io": True}, str(out / "p"), 1)
+    return out
+
+
+def _ck(out: Path, group: str, name: str, size: int) -> list[dict]:
+    return [json.loads((out / group / f"{name}.rank{r}.json").read_text()) for r in range(size)]
+
+
+@pytest.mark.parametrize(
+    "name,group,size",
+    [
+        ("z1_resume", "w", 4),
+        ("z1_to_z0", "w", 4),
+        ("z1_to_zbv_z2", "w", 4),
+        ("z1_to_plain", "p", 1),
+    ],
+)
+def test_a_zero_checkpoint_resumes_under_any_sharding(ckpt_runs, name, group, size):
+    """Steps 6-10 after loading the zero=1 step-5 checkpoint equal the uninterrupted plain
+    single-process run's: the moments were saved whole, by name, and cut anew on loading."""
+    full = _ck(ckpt_runs, "p", "plain_full", 1)[0]
+    saved = _ck(ckpt_runs, "w", "z1_save", 4)
+    assert max(_rel(saved[0]["train_loss"], full["train_loss"][:5])) <= REL_TOL
+    resumed = _ck(ckpt_runs, group, name, size)
+    for d in resumed:
+        assert max(_rel(d["train_loss"], full["train_loss"][5:])) <= RESHARD_TOL, name
+        assert d["lr"] == full["lr"][5:]
+        assert d["global_step"] == 10
