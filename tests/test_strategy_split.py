@@ -50,8 +50,17 @@ CONFIGS = [
         clip=0.5,
         eval=True,  # trainer.test and trainer.predict too
     ),
-    # pp2 x dp2, interleaved (vpp 2)
-    dict(name="llama_pp2_vpp2_dp2", model="llama", split=LLAMA, pp=2, vpp=2, microbatches=2),
+    # pp2 x dp2, interleaved (vpp 2), the distributed optimizer (zero=1) and clipping
+    dict(
+        name="llama_pp2_vpp2_dp2_zero1",
+        model="llama",
+        split=LLAMA,
+        pp=2,
+        vpp=2,
+        microbatches=2,
+        zero=1,
+        clip=0.5,
+    ),
     # pp4 x vpp2 (8 stages of one block), the model built in __init__ (tied head); zbv's V
     # placement puts the embedding and the tied head on rank 0, and m=4 < 2p
     dict(

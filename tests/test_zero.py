@@ -43,6 +43,8 @@ ZERO = [
     {"name": "zbv_z2_acc2", **PP2, "schedule": "zbv", "accumulate": 2, "zero": 2},
     {"name": "il_z2_recompute", **PP2, "vpp": 2, "zero": 2, "recompute": "full"},
     {"name": "zbv_z1_bf16", **PP2, "schedule": "zbv", "zero": 1, "precision": "bf16-mixed"},
+    # bf16 parameters: the optimizer steps fp32 master rows
+    {"name": "1f1b_z1_bf16true", **PP2, "zero": 1, "precision": "bf16-true"},
     # unsharded, same shapes: the memory figures' baseline
     {"name": "1f1b_z0", **PP2},
     {"name": "zbv_z0", **PP2, "schedule": "zbv"},
@@ -111,6 +113,12 @@ def test_sharded_runs_match_the_single_process_trainer(zero_runs, references, cf
         assert d["train_loss"] == ranks[0]["train_loss"]
 
 
+@pytest.mark.parametrize("cfg", ZERO[:-1], ids=[c["name"] for c in ZERO[:-1]])
+def test_tied_copies_stay_bitwise_equal(zero_runs, cfg):
+    digests = [v for d in zero_runs[cfg["name"]] for v in d["tied"].values()]
+    assert len(digests) >= 2 and len(set(digests)) == 1
+
+
 def test_the_comparison_catches_summed_gradients(zero_runs, references):
     """The planted bug (replicas' gradients summed, not averaged) fails the same check. AdamW
     hardly notices a gradient twice too large (its update divides by the gradient's scale, and
@@ -129,6 +137,21 @@ def test_bf16_mixed_with_zero_trains_close_to_fp32(zero_runs, references):
     assert all(math.isfinite(x) for x in losses)
     # bf16 autocast keeps ~3 significant digits: close to fp32, not equal
     assert max(_rel(losses, references[1]["train_loss"])) < 5e-2
+
+
+def test_bf16_parameters_get_fp32_master_rows(zero_runs, references):
+    """bf16-true: the optimizer steps fp32 copies of each rank's rows (1/dp of the parameters,
+    at twice the bytes per element) and its moments are fp32; the tied copies stay bitwise
+    equal; the run trains close to fp32."""
+    ranks = zero_runs["1f1b_z1_bf16true"]
+    for d in ranks:
+        held = d["held"]
+        assert held["master"] == held["params"] // d["dp"] * 2  # bf16: 2 bytes, fp32: 4
+        assert held["optimizer"] == 2 * held["master"]  # AdamW: two fp32 moments per row
+    assert len({v for d in ranks for v in d["tied"].values()}) == 1
+    assert max(_rel(ranks[0]["train_loss"], references[1]["train_loss"])) < 5e-2
+    for d in zero_runs["1f1b_z1"]:  # fp32: the rows are views of the parameters
+        assert d["held"]["master"] == 0
 
 
 @pytest.mark.parametrize(

@@ -16,6 +16,12 @@ Example::
 
 from .bubble import PipelineBubbleMonitor
 from .memory import ActivationMemoryMonitor
+from .state_memory import ModelStateMemoryMonitor
 from .timeline import PipelineTimeline
 
-__all__ = ["ActivationMemoryMonitor", "PipelineBubbleMonitor", "PipelineTimeline"]
+__all__ = [
+    "ActivationMemoryMonitor",
+    "ModelStateMemoryMonitor",
+    "PipelineBubbleMonitor",
+    "PipelineTimeline",
+]

@@ -157,7 +157,8 @@ def run_reference(accumulate: int, ckpt_dir: str) -> dict[str, Any]:
 
 
 def tensor_digest(t: torch.Tensor) -> str:
-    return hashlib.sha256(t.detach().cpu().contiguous().numpy().tobytes()).hexdigest()
+    raw = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)  # any dtype, bf16 too
+    return hashlib.sha256(raw.numpy().tobytes()).hexdigest()
 
 
 def dump(path: str, obj: Any) -> None:

@@ -26,6 +26,7 @@ import torch.distributed as dist  # noqa: E402
 from lightning.pytorch.callbacks import Callback  # noqa: E402
 from pp_common import (  # noqa: E402
     MODEL_KW,
+    STEPS,
     Data,
     Recorder,
     configs_main,
@@ -35,6 +36,7 @@ from pp_common import (  # noqa: E402
 )
 
 from lightning_pp import PipelineStrategy  # noqa: E402
+from lightning_pp.callbacks import ModelStateMemoryMonitor  # noqa: E402
 from lightning_pp.models import GPT  # noqa: E402
 from lightning_pp.schedules import Op  # noqa: E402
 
@@ -132,26 +134,6 @@ def _remove_plant() -> None:
     zero_module.dist = dist  # the shared worlds run other cases in this process next
 
 
-def held_bytes(optimizer, params) -> dict:
-    """Bytes this rank holds after training, measured from the tensors: parameters, gradients
-    (the module's and the optimizer's own, e.g. zero's rows), optimizer state."""
-    opt_params = [p for g in optimizer.param_groups for p in g["params"]]
-    seen = {id(p) for p in params}
-    grads = [p.grad for p in params if p.grad is not None]
-    grads += [p.grad for p in opt_params if id(p) not in seen and p.grad is not None]
-    state = [
-        t
-        for st in optimizer.state.values()
-        for t in st.values()
-        if isinstance(t, torch.Tensor) and t.dim() > 0
-    ]
-    return {
-        "params": sum(p.numel() * p.element_size() for p in params),
-        "grads": sum(g.numel() * g.element_size() for g in grads),
-        "optimizer": sum(t.numel() * t.element_size() for t in state),
-    }
-
-
 def _sharding(strategy) -> dict:
     """The sharded sync's padding (elements per rank's block beyond the parameters' rows)."""
     sync = strategy.grad_sync
@@ -188,12 +170,14 @@ def run(cfg: dict, devices: int, out: str) -> None:
     world = int(os.environ.get("WORLD_SIZE", devices))
     dp = world // cfg["pp"]
     rec, probe = Recorder(), SyncProbe()
+    # what each rank holds after the last step, measured from the tensors
+    held = ModelStateMemoryMonitor(every_n_steps=STEPS)
     trainer = make_trainer(
         strategy,
         devices,
         cfg["accumulate"],
         os.path.join(out, f"ckpt_{name}"),
-        [rec, probe],
+        [rec, probe, held],
         precision=cfg.get("precision", "32-true"),
         num_nodes=max(1, world // devices),
     )
@@ -239,7 +223,7 @@ def run(cfg: dict, devices: int, out: str) -> None:
             "num_storages": len(storages),
             "tied": tied,
             "sync": probe.steps,
-            "held": held_bytes(trainer.optimizers[0], params),
+            "held": held.last[rank],
             "grad_norm": norms,
             "sharding": _sharding(strategy),
         },

@@ -4,8 +4,8 @@ group (start-up paid once); write per-rank JSON and a sharded checkpoint per con
     torchrun --nproc_per_node 4 tests/scripts/split_run.py --out DIR --configs '[{...}, ...]'
 
 Each config: {"name", "model", "split", "pp", "vpp", "microbatches", optional "schedule",
-"accumulate", "precision", "clip", "build" ("configure_model" | "init"), "resume" (name of an
-earlier config whose checkpoint this one loads, at its own shape, and only validates), "eval"
+"accumulate", "precision", "clip", "zero", "build" ("configure_model" | "init"), "resume" (name
+of an earlier config whose checkpoint this one loads, at its own shape, and only validates), "eval"
 (also run trainer.test and trainer.predict)}.
 """
 
@@ -36,6 +36,7 @@ def run(cfg: dict, devices: int, out: str) -> None:
         microbatches=cfg.get("microbatches"),
         schedule=cfg.get("schedule"),
         split=cfg["split"],
+        zero=cfg.get("zero", 0),
     )
     world = int(os.environ.get("WORLD_SIZE", devices))
     dp = world // cfg["pp"]
