@@ -242,6 +242,24 @@ def ckpt_runs(tmp_path_factory) -> Path:
     return out
 
 
+def test_zero_saves_each_ranks_rows_where_they_belong(ckpt_runs):
+    """The moments are written as DTensor shards (each replica its own rows, nothing
+    gathered): DCP's metadata holds one chunk per replica, at torch.chunk's row offsets, of a
+    tensor of the parameter's own shape."""
+    from lightning_pp.checkpoint.dcp_safe import read_dcp_metadata
+
+    meta = read_dcp_metadata(Path(_phases(ckpt_runs)["z1_5"]) / ".metadata")
+    moments = {
+        k: v for k, v in meta.state_dict_metadata.items() if k.startswith("optimizer_0.state.")
+    }
+    name = "optimizer_0.state.layers.1.qkv.weight.exp_avg"
+    shape = tuple(moments[name].size)
+    offsets = sorted(tuple(c.offsets) for c in moments[name].chunks)
+    assert offsets == [(0, 0), (shape[0] // 2, 0)], (shape, offsets)
+    split = [k for k, v in moments.items() if len(v.chunks) == 2]
+    assert len(split) > len(moments) // 2  # every moment of a parameter of 2 rows or more
+
+
 def _ck(out: Path, group: str, name: str, size: int) -> list[dict]:
     return [json.loads((out / group / f"{name}.rank{r}.json").read_text()) for r in range(size)]
 

@@ -74,6 +74,8 @@ class ShardedGradSync(DeferredGradSync):
             step); 2 frees them once packed.
         tied: the rank's tied weights; their row gradients are summed over each tied group in
             :meth:`wait`, so the caller must not all-reduce them again.
+        mesh: the 1-D ``DeviceMesh`` of ``group``; checkpoints then save each rank's rows as a
+            ``DTensor`` (``Shard(0)``) instead of gathering them.
     """
 
     def __init__(
@@ -85,6 +87,7 @@ class ShardedGradSync(DeferredGradSync):
         zero: int = 1,
         bucket_cap_mb: float = 25.0,
         tied: TiedParameterSync | None = None,
+        mesh: Any = None,
     ) -> None:
         if zero not in (1, 2):
             raise ValueError(f"ShardedGradSync needs zero=1 or 2, got {zero!r}")
@@ -92,6 +95,9 @@ class ShardedGradSync(DeferredGradSync):
             raise ValueError(f"zero={zero} shards over data-parallel replicas, but dp={dp_size}")
         super().__init__(chunk_params, group, dp_size, bucket_cap_mb)
         self.zero, self.dp_rank = zero, dp_rank
+        #: the 1-D data-parallel DeviceMesh (``None``: checkpoints gather the rows instead of
+        #: saving them as DTensors)
+        self.mesh = mesh
         tied_groups = {id(g.param): g.group for g in (tied.groups if tied else [])}
         #: ids of parameters whose tied-copy sum happens here, on their rows
         self.tied_handled: set[int] = set(tied_groups)
@@ -119,7 +125,8 @@ class ShardedGradSync(DeferredGradSync):
                     self._member_of[id(main)] = (m, b.layout)
         self._pending_rs: list[tuple[Any, Tensor, _Bucket]] = []
         self._original_params: dict[int, list[list[nn.Parameter]]] = {}
-        self._sharded = {id(m.param) for b in self.buckets for m in b.layout.members}
+        self._members = {id(m.param): m for b in self.buckets for m in b.layout.members}
+        self._sharded = set(self._members)
 
     @property
     def num_buckets(self) -> int:
@@ -248,9 +255,16 @@ class ShardedGradSync(DeferredGradSync):
         return UnshardedOptimizerView(self, optimizer, self._original_params[id(optimizer)])
 
     def gather_full(self, pieces: dict[int, Tensor]) -> dict[int, Tensor]:
-        """Collective over the dp group: every sharded parameter's whole tensor, from each
-        rank's rows in ``pieces`` (``id(param) -> rows``; absent: this rank holds none).
-        Returns ``id(param) -> tensor`` shaped as the parameter."""
+        """Every sharded parameter's whole tensor from each rank's rows in ``pieces``
+        (``id(param) -> rows``; absent: this rank holds none): the rows as a ``DTensor`` when
+        there is a mesh (nothing moves: DCP writes each rank's own), else gathered over the dp
+        group (collective). Returns ``id(param) -> tensor`` of the parameter's shape."""
+        if self.mesh is not None:
+            return {
+                id(m.param): self.as_dtensor(id(m.param), pieces.get(id(m.param)))
+                for b in self.buckets
+                for m in b.layout.members
+            }
         full: dict[int, Tensor] = {}
         for b in self.buckets:
             layout = b.layout
@@ -263,6 +277,26 @@ class ShardedGradSync(DeferredGradSync):
             for m in layout.members:
                 full[id(m.param)] = layout.unpack_full(flat, m).reshape(m.param.shape).clone()
         return full
+
+    def as_dtensor(self, param_id: int, rows: Tensor | None) -> Tensor:
+        """This rank's ``rows`` of the parameter ``param_id`` (``None``: it holds none) as the
+        ``DTensor`` they are a shard of: ``Shard(0)`` over the data-parallel mesh, the
+        parameter's global shape. DCP writes each rank's rows under the parameter's name."""
+        from torch.distributed.tensor import DTensor, Shard
+
+        member = self._members[param_id]
+        p = member.param
+        if rows is None:
+            rows = p.new_empty(member.local_shape, dtype=torch.float32)
+        full = torch.Size(p.shape) if p.dim() > 0 else torch.Size([1])
+        return DTensor.from_local(
+            rows.reshape((rows.shape[0] if rows.dim() else 1, *full[1:])),
+            self.mesh,
+            [Shard(0)],
+            run_check=False,
+            shape=full,
+            stride=_contiguous_stride(full),
+        )
 
     def grad_norm_skip(self, tied: TiedParameterSync) -> set[int]:
         """ids of main parameters a global norm must not count: rows of tied copies not held
@@ -279,6 +313,14 @@ class ShardedGradSync(DeferredGradSync):
         )
 
 
+def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
+    stride, out = 1, []
+    for n in reversed(shape):
+        out.append(stride)
+        stride *= n
+    return tuple(reversed(out))
+
+
 def _main_parameter(member: ShardMember) -> nn.Parameter:
     """This rank's rows of ``member``'s parameter as a parameter of their own: a view of the
     rows for fp32 (the step writes the model's tensor directly), an fp32 copy for lower
@@ -292,13 +334,13 @@ def _main_parameter(member: ShardMember) -> nn.Parameter:
 class UnshardedOptimizerView:
     """A sharded optimizer seen whole, by checkpoints: ``param_groups`` list the module's own
     parameters (as the optimizer held them before :meth:`ShardedGradSync.shard_optimizer`),
-    ``state_dict()`` all-gathers every state tensor over the replicas (collective: every dp
-    rank calls it, in the same order), and ``load_state_dict()`` keeps this rank's rows of each
-    whole tensor it is given. On disk the state is then the unsharded optimizer's, by name, so a
-    checkpoint loads into any ``zero``/``dp`` (and into a plain Trainer).
-
-    Saving gathers one stage's whole optimizer state on each rank for the duration of the save
-    (the memory an unsharded run holds all along).
+    ``state_dict()`` presents every state tensor whole: each rank's rows as a ``DTensor``
+    (``Shard(0)`` over the data-parallel mesh; DCP writes every rank's rows where they belong
+    in the parameter's tensor, nothing is gathered) or, without a mesh, all-gathered over the
+    replicas (collective: every dp rank calls it, in the same order). ``load_state_dict()``
+    keeps this rank's rows of each whole tensor it is given. On disk the state is then the
+    unsharded optimizer's, by name and shape, so a checkpoint loads into any ``zero``/``dp``
+    (and into a plain Trainer).
 
     Example::
 

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 from ..layout.plan import PipelinePlan
 from ..layout.rank_layout import RankLayout
+from ..layout.topology import DP_DIM
 from ..runtime.distributed_optimizer import ShardedGradSync
 from ..runtime.grad_sync import DeferredGradSync, TiedParameterSync
 from .stage_logging import refuse_logs
@@ -75,7 +76,8 @@ def build_grad_sync(
     distributed optimizer (:class:`~lightning_pp.runtime.distributed_optimizer.ShardedGradSync`,
     which also sums the rows of ``tied`` weights)."""
     if zero:
-        topo = layout.need_topology()
+        topo, groups = layout.need_topology(), layout.need_groups()
+        mesh = groups.mesh[DP_DIM] if groups.mesh is not None else None
         return ShardedGradSync(
             [list(c.parameters()) for c in chunks],
             layout.need_groups().dp_group,
@@ -84,6 +86,7 @@ def build_grad_sync(
             zero=zero,
             bucket_cap_mb=bucket_cap_mb,
             tied=tied,
+            mesh=mesh,
         )
     return DeferredGradSync(
         [list(c.parameters()) for c in chunks],
