@@ -28,6 +28,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from ..runtime.dtensor_state import module_state_like
 from .agree import (
     broadcast_first,
     check_all_claimed,
@@ -198,7 +199,8 @@ def load_dcp_checkpoint(
     safe_dcp_load(request, path, process_group)  # collective; raises on every rank alike
     # every rank read everything: now change the module and the optimizers
     loaded = request["state_dict"]
-    module.load_state_dict({k: loaded[n] for k, n in wanted.items()}, strict=strict)
+    state = module_state_like(module, {k: loaded[n] for k, n in wanted.items()})
+    module.load_state_dict(state, strict=strict)  # FSDP2's DTensor parameters take their shard
     names = param_names(module, canonical)
     for i, optimizer in enumerate(optimizers or ()):
         optimizer.load_state_dict(

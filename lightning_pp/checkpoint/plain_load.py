@@ -30,6 +30,7 @@ from typing import Any
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from ..runtime.dtensor_state import module_state_like
 from .agree import check_all_claimed, error_text, gather_all, report_errors
 from .by_name import fit_scheduler_states, param_names, positional_optimizer_state
 from .errors import CheckpointError
@@ -124,7 +125,7 @@ def load_plain_checkpoint(
         claimed |= {k for k in ckpt["state_dict"] if canonical.get(k, k) in claimed}
         check_all_claimed(ckpt["state_dict"], claimed, f"plain checkpoint {str(path)!r}")
     # every rank's checks passed: now change the module and the optimizers
-    module.load_state_dict(picked, strict=strict)
+    module.load_state_dict(module_state_like(module, picked), strict=strict)
     for optimizer, state in zip(optimizers or (), states):
         optimizer.load_state_dict(state)
     lightning = {k: v for k, v in ckpt.items() if k not in ("state_dict", "optimizer_states")}

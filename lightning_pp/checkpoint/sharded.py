@@ -49,6 +49,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from .._lightning_compat import configure_optimizers_and_schedulers, load_file
+from ..runtime.dtensor_state import module_state_like
 from .agree import check_all_claimed
 from .by_name import (
     adapt_scheduler_state,  # noqa: F401  (re-exported)
@@ -430,7 +431,7 @@ def load_model_shard(
         data = _load_shard(path, fname, index["model_files"][fname])
         for k in keys:
             state[k] = data[wanted[k]]
-    module.load_state_dict(state, strict=strict)
+    module.load_state_dict(module_state_like(module, state), strict=strict)
     return sorted({wanted[k] for k in state})
 
 

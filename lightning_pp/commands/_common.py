@@ -197,6 +197,7 @@ _PLAN_ARGS = (
     "watchdog_timeout",
     "zero",
     "fsdp",
+    "reshard_after_forward",
 )
 
 # Data-module counts that cannot be 0 or negative. The data module would only find out in

@@ -37,6 +37,7 @@ from .rules import (
     _positive,
     check_batch,
     check_layers,
+    check_reshard,
     check_schedule_args,
     check_settings,
     check_sharding,
@@ -110,6 +111,8 @@ class PipelinePlan:
     zero: int = 0
     #: FSDP2 per chunk over the dp replicas (parameters, gradients and optimizer state)
     fsdp: bool = False
+    #: with ``fsdp``: free gathered parameters after every forward
+    reshard_after_forward: bool = False
     _layer_params: tuple[int, ...] | None = dataclasses.field(default=None, repr=False)
     _layer_costs: tuple[float, ...] | None = dataclasses.field(default=None, repr=False)
 
@@ -136,6 +139,7 @@ class PipelinePlan:
         watchdog_timeout: float | None = None,
         zero: int = 0,
         fsdp: bool = False,
+        reshard_after_forward: bool = False,
         warn: bool = True,
     ) -> PipelinePlan:
         """Check everything whose inputs are given and return the plan.
@@ -170,6 +174,7 @@ class PipelinePlan:
             warnings.simplefilter("always", PipelineWarning)
             built = check_schedule_args(schedule, pp, microbatches, vpp, group_size, warn=True)
         texts = tuple(str(w.message) for w in caught if issubclass(w.category, PipelineWarning))
+        check_reshard(reshard_after_forward, fsdp, built)
         if not isinstance(partition, str) and len(partition) != pp * built.vpp:
             # known at construction (no model needed): refused here, not after spawn
             k = pp * built.vpp
@@ -200,6 +205,7 @@ class PipelinePlan:
             watchdog_timeout=watchdog_timeout,
             zero=zero,
             fsdp=fsdp,
+            reshard_after_forward=reshard_after_forward,
         )
         if world_size is not None:
             plan = plan.with_world(world_size, dp=dp)
@@ -402,7 +408,11 @@ class PipelinePlan:
         """What is sharded over the data-parallel replicas, in words."""
         over = f"over dp={self.dp}" if self.dp is not None else "over the dp replicas"
         if self.fsdp:
-            return f"fsdp (FSDP2 per chunk): parameters, gradients and optimizer state {over}"
+            when = "every forward" if self.reshard_after_forward else "each chunk's last backward"
+            return (
+                f"fsdp (FSDP2 per chunk): parameters, gradients and optimizer state {over}; "
+                f"gathered parameters freed after {when}"
+            )
         if self.zero == 2:
             return f"zero=2: optimizer state, master weights and gradients {over}"
         if self.zero == 1:

@@ -211,6 +211,31 @@ def check_sharding(zero: Any, fsdp: Any, dp: int | None = None) -> None:
         )
 
 
+def check_reshard(reshard_after_forward: Any, fsdp: bool, schedule: Schedule | None = None) -> None:
+    """``reshard_after_forward`` is a bool, set only with ``fsdp=True`` (it is FSDP2's), and not
+    under a split backward: a later microbatch's forward would free the parameters an earlier
+    one's ``W`` still reads (FSDP2 gathers them again only in ``I``)."""
+    if not isinstance(reshard_after_forward, bool):
+        raise PreflightError(
+            f"reshard_after_forward must be True or False, got {reshard_after_forward!r}",
+            key="reshard_after_forward",
+        )
+    if reshard_after_forward and not fsdp:
+        raise PreflightError(
+            "reshard_after_forward=True is an FSDP2 setting, but fsdp=False: set fsdp=True "
+            "to shard the parameters, or drop reshard_after_forward",
+            key="reshard_after_forward",
+        )
+    if reshard_after_forward and schedule is not None and schedule.split_backward:
+        raise PreflightError(
+            f"reshard_after_forward=True with schedule {schedule.name!r} (pp={schedule.pp}, "
+            f"microbatches={schedule.microbatches}): its split backward runs a microbatch's W "
+            f"after later forwards freed the gathered parameters; use "
+            f"reshard_after_forward=False, or a schedule without W (gpipe, 1f1b, interleaved)",
+            key="reshard_after_forward",
+        )
+
+
 def split_cost_partition_message(
     split: str, pp: int, vpp: int, num_blocks: int | None = None
 ) -> str:

@@ -10,7 +10,8 @@
 - recompute: :mod:`.recompute` (the mechanism) and :mod:`.recompute_probe` (what one layer
   saves, as the recompute planner needs it measured);
 - gradients and numbers: :mod:`.grad_sync` (deferred data-parallel all-reduce, tied weights,
-  global norm), :mod:`.numerics` (where a NaN first appeared), :mod:`.microbatch`,
+  global norm), :mod:`.fsdp_chunks` (FSDP2 per chunk, its reduce-scatter at each chunk's last
+  backward), :mod:`.numerics` (where a NaN first appeared), :mod:`.microbatch`,
   :mod:`.records` (what a step did);
 - failures: :mod:`.errors`, :mod:`.failure` (abort channel and hang watchdog),
   :mod:`.heartbeats` (process liveness), :mod:`.local_process` (what ``/proc`` says),

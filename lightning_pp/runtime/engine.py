@@ -44,6 +44,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ..layout.recompute_spec import RecomputeSpec, parse_recompute
 from ..layout.topology import PipelineTopology, ProcessGroups
@@ -101,6 +102,15 @@ def _format_grid_marks(schedule: Schedule, marks: dict[int, int]) -> str:
             f"rank {r}: " + " ".join(a.short(show) for a in acts)
             for r, acts in enumerate(schedule.ranks)
         )
+
+
+def _storage_ptr(p: torch.Tensor) -> int:
+    """Where a parameter's data lives. A ``DTensor`` (an FSDP2 shard, see
+    :mod:`~lightning_pp.runtime.fsdp_chunks`) has no storage of its own: its local shard's."""
+    if isinstance(p, DTensor):
+        with torch.no_grad():
+            p = p.to_local()
+    return p.untyped_storage().data_ptr()
 
 
 def _default_input_fn(mb: Any) -> Any:
@@ -267,9 +277,7 @@ class PipelineEngine:
         )
         self.recv_lookahead = self._resolve_lookahead(recv_lookahead, backend)
         # Parameters are excluded from ``saved_bytes`` (they are not activation memory).
-        self.param_storages = {
-            p.untyped_storage().data_ptr() for c in self.chunks for p in c.parameters()
-        }
+        self.param_storages = {_storage_ptr(p) for c in self.chunks for p in c.parameters()}
 
     def _resolve_lookahead(self, lookahead: int | None, backend: str) -> int:
         if lookahead is not None:

@@ -219,7 +219,11 @@ class TiedParameterSync:
                 continue
             if g.param.grad is None:
                 g.param.grad = torch.zeros_like(g.param)
-            work = dist.all_reduce(g.param.grad, op=dist.ReduceOp.SUM, group=g.group, async_op=True)
+            # An FSDP2 copy's gradient is a DTensor: every copy is cut into the same shards
+            # over its replicas, so summing the local shards sums the copies.
+            grad = g.param.grad
+            local = grad.to_local() if hasattr(grad, "to_local") else grad
+            work = dist.all_reduce(local, op=dist.ReduceOp.SUM, group=g.group, async_op=True)
             monitored_wait([work], f"in the tied-gradient all_reduce of {g.names[0]}", g.ranks)
 
     def non_owner_params(self) -> set[int]:

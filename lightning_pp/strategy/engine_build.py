@@ -28,13 +28,21 @@ from ..layout.plan import PipelinePlan
 from ..layout.rank_layout import RankLayout
 from ..layout.topology import DP_DIM
 from ..runtime.distributed_optimizer import ShardedGradSync
+from ..runtime.fsdp_chunks import FsdpGradSync, shard_chunks, shared_parameters
 from ..runtime.grad_sync import DeferredGradSync, TiedParameterSync
 from .stage_logging import refuse_logs
 
 if TYPE_CHECKING:
     from ..runtime.engine import PipelineEngine
 
-__all__ = ["LossScale", "build_engine", "build_grad_sync", "log_start", "module_io"]
+__all__ = [
+    "LossScale",
+    "build_engine",
+    "build_grad_sync",
+    "log_start",
+    "module_io",
+    "shard_with_fsdp",
+]
 
 #: the strategy's logger: the start log reads as the strategy's, as it always has
 log = logging.getLogger("lightning_pp.strategy")
@@ -70,13 +78,27 @@ def build_grad_sync(
     bucket_cap_mb: float,
     zero: int = 0,
     tied: TiedParameterSync | None = None,
-) -> DeferredGradSync:
+    fsdp_whole: Sequence[nn.Parameter] | None = None,
+) -> DeferredGradSync | FsdpGradSync:
     """The deferred data-parallel all-reduce of this rank's chunks' gradients (the engine fires
     a chunk's buckets after its last backward); with ``zero`` 1 or 2 the reduce-scatter of the
     distributed optimizer (:class:`~lightning_pp.runtime.distributed_optimizer.ShardedGradSync`,
-    which also sums the rows of ``tied`` weights)."""
+    which also sums the rows of ``tied`` weights); with ``fsdp_whole`` given (``fsdp=True``),
+    FSDP2's reduce-scatter per unit (:class:`~lightning_pp.runtime.fsdp_chunks.FsdpGradSync`)
+    and an all-reduce of the parameters it leaves whole."""
+    topo, groups = layout.need_topology(), layout.need_groups()
+    if fsdp_whole is not None:
+        whole = {id(p) for p in fsdp_whole}
+        replicated = None
+        if whole:
+            replicated = DeferredGradSync(
+                [[p for p in c.parameters() if id(p) in whole] for c in chunks],
+                groups.dp_group,
+                topo.dp,
+                bucket_cap_mb,
+            )
+        return FsdpGradSync(chunks, replicated=replicated)
     if zero:
-        topo, groups = layout.need_topology(), layout.need_groups()
         mesh = groups.mesh[DP_DIM] if groups.mesh is not None else None
         return ShardedGradSync(
             [list(c.parameters()) for c in chunks],
@@ -96,11 +118,50 @@ def build_grad_sync(
     )
 
 
+def shard_with_fsdp(
+    chunks: Sequence[nn.Module],
+    layout: RankLayout,
+    tied: TiedParameterSync,
+    reshard_after_forward: bool,
+) -> list[nn.Parameter]:
+    """``fsdp=True``: FSDP2 per chunk over the mesh's ``data_parallel`` dim
+    (:func:`~lightning_pp.runtime.fsdp_chunks.shard_chunks`), before the optimizer exists.
+    A weight two local chunks share (V placement's tied embedding and head) stays whole and is
+    returned (it is all-reduced); the tied copies' sync is pointed at the new ``DTensor``
+    parameters. Checked first, with the rank in the message (a split backward with
+    ``reshard_after_forward``)."""
+    groups = layout.need_groups()
+    assert groups.mesh is not None, "fsdp needs the job's DeviceMesh (build_process_groups)"
+    whole = shared_parameters(chunks)
+    homes = {id(g.param): _home(chunks, g.param) for g in tied.groups}
+    shard_chunks(
+        chunks,
+        groups.mesh[DP_DIM],
+        reshard_after_forward=reshard_after_forward,
+        schedule=layout.need_plan().schedule,
+        ignored=whole,
+    )
+    for g in tied.groups:  # FSDP2 registered new Parameter objects in the same places
+        module, name = homes[id(g.param)]
+        g.param = module._parameters[name]
+    return whole
+
+
+def _home(chunks: Sequence[nn.Module], param: nn.Parameter) -> tuple[nn.Module, str]:
+    """The module and attribute name under which ``param`` is registered in ``chunks``."""
+    for chunk in chunks:
+        for module in chunk.modules():
+            for name, p in module._parameters.items():
+                if p is param:
+                    return module, name
+    raise ValueError(f"parameter of shape {tuple(param.shape)} is in none of this rank's chunks")
+
+
 def build_engine(
     chunks: Sequence[nn.Module],
     layout: RankLayout,
     io: dict[str, Any],
-    grad_sync: DeferredGradSync,
+    grad_sync: DeferredGradSync | FsdpGradSync,
     *,
     device: torch.device,
     release_outputs: bool = True,
@@ -132,13 +193,16 @@ def build_engine(
 
 
 def log_start(
-    plan: PipelinePlan, engine: PipelineEngine, grad_sync: DeferredGradSync, bucket_cap_mb: float
+    plan: PipelinePlan,
+    engine: PipelineEngine,
+    grad_sync: DeferredGradSync | FsdpGradSync,
+    bucket_cap_mb: float,
 ) -> None:
     """Say the run's decisions once (global rank 0): shape, placement, partition per rank,
     schedule, and what the engine resolved for the transfers."""
     for line in plan.describe():
         log.info(line)
-    collective = "reduce-scatter" if plan.zero else "all-reduce"
+    collective = "reduce-scatter" if plan.zero or plan.fsdp else "all-reduce"
     log.info(
         f"engine: receive lookahead {engine.recv_lookahead} action(s); data-parallel "
         f"{collective} in buckets of {bucket_cap_mb:g} MB "

@@ -59,6 +59,7 @@ from ..layout.rank_layout import RankLayout
 from ..layout.recompute_spec import RecomputeSpec, Selective, check_recompute
 from ..layout.rules import (
     PreflightError,
+    check_reshard,
     check_schedule_vpp,
     check_settings,
     check_split_settings,
@@ -66,14 +67,23 @@ from ..layout.rules import (
 )
 from ..layout.topology import PipelineTopology, ProcessGroups, build_process_groups
 from ..runtime.distributed_optimizer import ShardedGradSync
+from ..runtime.dtensor_state import DTensorOptimizer
 from ..runtime.errors import DEFAULT_WATCHDOG_TIMEOUT, PipelineAborted, report_failure
+from ..runtime.fsdp_chunks import FsdpGradSync, reshard_chunks, unmix_foreach
 from ..runtime.grad_sync import DeferredGradSync, TiedParameterSync
 from ..runtime.recompute import select_targets, selective_units
 from ..schedules import chunks_per_rank
 from . import eval_step
-from .engine_build import LossScale, build_engine, build_grad_sync, log_start, module_io
+from .engine_build import (
+    LossScale,
+    build_engine,
+    build_grad_sync,
+    log_start,
+    module_io,
+    shard_with_fsdp,
+)
 from .model_summary import restore_summaries, use_stage_summaries
-from .precision import GlobalNormClipping, clip_by_global_norm, with_global_norm_clipping
+from .precision import GlobalNormClipping, clip_sharded_by_global_norm, with_global_norm_clipping
 from .preflight import check_module, check_recompute_targets, meta_view
 from .process_group import ProcessGroupStrategy, StartMethod
 from .split_build import SplitPipeline
@@ -227,12 +237,14 @@ class PipelineStrategy(ProcessGroupStrategy):
         if pp is not None:
             self.plan = PipelinePlan.build(pp=pp, **self._settings())
         else:
-            check_settings(**{k: v for k, v in self._settings().items() if k != "schedule"})
+            outside = ("schedule", "reshard_after_forward")
+            check_settings(**{k: v for k, v in self._settings().items() if k not in outside})
+            check_reshard(self.reshard_after_forward, self.fsdp)
             check_schedule_vpp(self.schedule_name, vpp)  # known without the world size
 
         self.chunks: list[PipelineChunk] = []
         self.engine: Any = None
-        self.grad_sync: DeferredGradSync | None = None
+        self.grad_sync: DeferredGradSync | FsdpGradSync | None = None
         self.tied_sync = TiedParameterSync([])
         #: the engine's record of the last train/eval step on this rank (for callbacks)
         self.last_record: Any = None
@@ -241,6 +253,8 @@ class PipelineStrategy(ProcessGroupStrategy):
         self._recompute_plan: Any = None
         self._eval: eval_step.ForwardOnly | None = None
         self._unclipped_precision: Precision | None = None
+        #: under ``fsdp``: parameters FSDP2 leaves whole (shared by two local chunks)
+        self._fsdp_whole: list[nn.Parameter] = []
         if not isinstance(async_checkpoint, bool):
             raise TypeError(f"async_checkpoint must be True or False, got {async_checkpoint!r}")
         #: writes this rank's checkpoints (in the background with ``async_checkpoint=True``)
@@ -333,7 +347,15 @@ class PipelineStrategy(ProcessGroupStrategy):
     # the rules and their messages). Each runs on every rank alike, before any communication
     # that a bad value would hang.
     def _settings(self) -> dict[str, Any]:
-        names = ("partition", "group_size", "recv_lookahead", "bucket_cap_mb", "zero", "fsdp")
+        names = (
+            "partition",
+            "group_size",
+            "recv_lookahead",
+            "bucket_cap_mb",
+            "zero",
+            "fsdp",
+            "reshard_after_forward",
+        )
         return {
             **{name: getattr(self, name) for name in names},
             "vpp": self._vpp,
@@ -423,14 +445,25 @@ class PipelineStrategy(ProcessGroupStrategy):
         self.chunks = list(self.stage_build.chunks)
         self.tied_sync = self.stage_build.tied_sync(layout)
         self.tied_sync.broadcast_weights()  # the copies start from the owner's values
+        if self.fsdp:  # before the optimizer exists: FSDP2 swaps in DTensor parameters
+            self._fsdp_whole = shard_with_fsdp(
+                self.chunks, layout, self.tied_sync, self.reshard_after_forward
+            )
         self._setup_training(trainer)
         self._check_recompute_targets()
         self.grad_sync = build_grad_sync(
-            self.chunks, layout, self.bucket_cap_mb, zero=self.zero, tied=self.tied_sync
+            self.chunks,
+            layout,
+            self.bucket_cap_mb,
+            zero=self.zero,
+            tied=self.tied_sync,
+            fsdp_whole=self._fsdp_whole if self.fsdp else None,
         )
         if isinstance(self.grad_sync, ShardedGradSync):
             for optimizer in self.optimizers:  # each now steps this rank's rows
                 self.grad_sync.shard_optimizer(optimizer)
+        if self._fsdp_whole:
+            unmix_foreach(self.optimizers, self._fsdp_whole)
         if self.split_pipeline is not None:
             io = self.split_pipeline.engine_kwargs(self.loss_scale, device)
         else:
@@ -507,10 +540,18 @@ class PipelineStrategy(ProcessGroupStrategy):
         """``gradient_clip_val``: by the norm of every stage (lightning_pp.strategy.precision);
         under ``zero`` the optimizer's parameters are rows, distinct on every rank, so the
         squares are summed over the whole world, tied copies' rows counted once."""
-        if isinstance(self.grad_sync, ShardedGradSync):
-            skip = self.grad_sync.grad_norm_skip(self.tied_sync)
-            return clip_by_global_norm(params, max_norm, torch.distributed.group.WORLD, skip=skip)
-        return clip_grad_by_global_norm(params, max_norm, self.layout.need_groups(), self.tied_sync)
+        sync, tied = self.grad_sync, self.tied_sync
+        if isinstance(sync, ShardedGradSync):
+            return clip_sharded_by_global_norm(params, max_norm, skip=sync.grad_norm_skip(tied))
+        if isinstance(sync, FsdpGradSync):
+            return clip_sharded_by_global_norm(
+                params,
+                max_norm,
+                skip=tied.non_owner_params(),
+                replicated={id(p) for p in self._fsdp_whole},
+                dp_rank=self.layout.need_topology().dp_rank,
+            )
+        return clip_grad_by_global_norm(params, max_norm, self.layout.need_groups(), tied)
 
     # ------------------------------------------------------------------ training
     @override
@@ -552,6 +593,8 @@ class PipelineStrategy(ProcessGroupStrategy):
             return eval_step.step(run, hook, args, self.precision_plugin)
         finally:
             self.last_record = run.record
+            if self.fsdp:  # the forwards gathered every chunk: free them until the next step
+                reshard_chunks(self.chunks)
 
     # ------------------------------------------------------------------ checkpoints
     # A checkpoint is a directory: every rank passes its own tensors by original name to DCP,
@@ -582,6 +625,8 @@ class PipelineStrategy(ProcessGroupStrategy):
         sync = self.grad_sync
         if isinstance(sync, ShardedGradSync):
             return [sync.unsharded_view(o) for o in optimizers]
+        if isinstance(sync, FsdpGradSync):  # DTensor moments: loaded whole, cut into shards
+            return [DTensorOptimizer(o) for o in optimizers]
         return list(optimizers)
 
     @override

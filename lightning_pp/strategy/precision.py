@@ -26,9 +26,15 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from ..runtime.failure import monitored_wait
 from ..runtime.grad_sync import global_grad_norm
 
-__all__ = ["GlobalNormClipping", "clip_by_global_norm", "with_global_norm_clipping"]
+__all__ = [
+    "GlobalNormClipping",
+    "clip_by_global_norm",
+    "clip_sharded_by_global_norm",
+    "with_global_norm_clipping",
+]
 
 ClipFn = Callable[[Sequence[nn.Parameter], float], Any]
 
@@ -46,6 +52,42 @@ def clip_by_global_norm(
     for p in params:
         if p.grad is not None:
             p.grad.detach().mul_(coef.to(p.grad.device))
+    return norm
+
+
+def clip_sharded_by_global_norm(
+    params: Sequence[nn.Parameter],
+    max_norm: float,
+    *,
+    skip: set[int] | None = None,
+    replicated: set[int] | None = None,
+    dp_rank: int = 0,
+) -> Tensor:
+    """:func:`clip_by_global_norm` when the gradients are shards, distinct on every rank of the
+    world (``zero``'s rows, FSDP2's ``DTensor`` s: their local parts): squares are summed over
+    the whole world. ``replicated``: ids of parameters every data-parallel replica holds whole
+    (a weight FSDP2 leaves out), counted on ``dp_rank`` 0 only; ``skip``: tied copies counted
+    on their owner."""
+    import torch.distributed as dist
+
+    skip, replicated = skip or set(), replicated or set()
+    grads = []
+    total = torch.zeros((), dtype=torch.float32)
+    for p in params:
+        if p.grad is None:
+            continue
+        g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+        grads.append(g)
+        if id(p) in skip or (id(p) in replicated and dp_rank != 0):
+            continue
+        total = total.to(g.device) + g.detach().float().pow(2).sum()
+    if dist.is_initialized():
+        work = dist.all_reduce(total, op=dist.ReduceOp.SUM, async_op=True)
+        monitored_wait([work], "in the global gradient-norm all_reduce (sharded gradients)")
+    norm = total.sqrt()
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for g in grads:
+        g.detach().mul_(coef.to(g.device))
     return norm
 
 

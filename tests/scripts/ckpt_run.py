@@ -10,7 +10,7 @@ A phase: {"name", "pp", "vpp", "microbatches", "max_steps", "every" (save every 
 "ckpt_dir"), "resume" (ckpt_path for fit), "best_dir" (ModelCheckpoint on val_loss, top-1),
 "fail_rank"/"fail_save" (that rank dies inside its Nth checkpoint data write), "async" (save in
 the background: ``PipelineStrategy(async_checkpoint=True)``), "zero" (the distributed
-optimizer)}. ``"pp": 0`` runs
+optimizer), "fsdp" (FSDP2 per chunk)}. ``"pp": 0`` runs
 the plain single-process Trainer (no strategy); with ``"pipeline_io": true`` it gets
 ``plugins=[PipelineCheckpointIO()]`` (resume from a pipeline checkpoint directory).
 Output: DIR/<name>.rank<r>.json.
@@ -94,6 +94,7 @@ def run_phase(spec: dict, out: str, devices: int) -> dict:
             timeout=timedelta(seconds=90),
             async_checkpoint=bool(spec.get("async")),
             zero=spec.get("zero", 0),
+            fsdp=spec.get("fsdp", False),
         )
         dp = world // spec["pp"]
     rec, lrs = Recorder(), LRProbe()

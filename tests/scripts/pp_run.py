@@ -141,6 +141,8 @@ def _sharding(strategy) -> dict:
     return {
         "padding": sum(b.layout.padding_numel for b in buckets) // max(1, strategy.topology.dp),
         "kind": type(sync).__name__,
+        # fsdp=True: parameters FSDP2 leaves whole (a weight two local chunks share)
+        "whole_numel": sum(p.numel() for p in getattr(strategy, "_fsdp_whole", [])),
     }
 
 
@@ -153,6 +155,8 @@ def run(cfg: dict, devices: int, out: str) -> None:
         schedule=cfg.get("schedule"),
         bucket_cap_mb=cfg.get("bucket_cap_mb", 25.0),
         zero=cfg.get("zero", 0),
+        fsdp=cfg.get("fsdp", False),
+        reshard_after_forward=cfg.get("reshard_after_forward", False),
         recompute=cfg.get("recompute"),
     )
     if cfg.get("plant") == "no_average":
@@ -191,12 +195,16 @@ def run(cfg: dict, devices: int, out: str) -> None:
     meta_counts = layers.layer_param_counts()
     local_layers = layers.built_indices
     params = list(model.parameters())
-    storages = {t.untyped_storage().data_ptr() for t in [*params, *model.buffers()]}
+    # what this rank allocates: a DTensor's (fsdp=True) local shard
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in params]
+    storages = {t.untyped_storage().data_ptr() for t in [*local, *model.buffers()]}
     tied = {}
     for group in layers.tied:
         for n in group:
             if int(n.split(".")[0]) in layers:
-                tied[n] = tensor_digest(layers.get_parameter(n))
+                p = layers.get_parameter(n)
+                whole = p.full_tensor() if hasattr(p, "full_tensor") else p  # dp collective
+                tied[n] = tensor_digest(whole)
     rank = trainer.global_rank
     dump(
         os.path.join(out, f"{name}.rank{rank}.json"),
@@ -216,10 +224,10 @@ def run(cfg: dict, devices: int, out: str) -> None:
             "storage_bytes": sum(
                 t.untyped_storage().nbytes()
                 for t in {
-                    t.untyped_storage().data_ptr(): t for t in [*params, *model.buffers()]
+                    t.untyped_storage().data_ptr(): t for t in [*local, *model.buffers()]
                 }.values()
             ),
-            "param_bytes": sum(p.numel() * p.element_size() for p in params),
+            "param_bytes": sum(p.numel() * p.element_size() for p in local),
             "num_storages": len(storages),
             "tied": tied,
             "sync": probe.steps,

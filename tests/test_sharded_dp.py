@@ -1,4 +1,5 @@
-"""The distributed optimizer (``PipelineStrategy(zero=1|2)``) under the real Trainer and gloo.
+"""Sharded data parallelism under the real Trainer and gloo: the distributed optimizer
+(``PipelineStrategy(zero=1|2)``) and FSDP2 per chunk (``fsdp=True``).
 
 Every schedule at pp2 x dp2 trains the tied-embedding GPT for 10 steps (AdamW, clipping on,
 warmup + cosine LR) in one shared 4-rank Trainer world (:mod:`worlds`, ``pp_run``); each run's
@@ -7,8 +8,9 @@ unsharded, unpipelined reference: never DDP or FSDP). The same world measures ea
 bytes from the tensors, and the launch times of the reduce-scatters against the engine's record.
 A planted bug (the reduce-scatter sums the replicas' gradients instead of averaging them, as
 FSDP2 does on gloo, pytorch#162338) must make the comparison fail. Checkpoints written under
-``zero=1`` resume under ``zero=0``, ``zero=2``, another schedule and a plain Trainer (the
-phases of ``ckpt_run`` in a second 4-rank world).
+``zero=1`` resume under ``zero=0``, ``zero=2``, another schedule and a plain Trainer, and
+checkpoints written under ``fsdp=True`` resume under ``zero=1`` and a plain Trainer, and the
+other way round (the phases of ``ckpt_run`` in a second 4-rank world).
 """
 
 from __future__ import annotations
@@ -45,6 +47,15 @@ ZERO = [
     {"name": "zbv_z1_bf16", **PP2, "schedule": "zbv", "zero": 1, "precision": "bf16-mixed"},
     # bf16 parameters: the optimizer steps fp32 master rows
     {"name": "1f1b_z1_bf16true", **PP2, "zero": 1, "precision": "bf16-true"},
+    # FSDP2 per chunk: every schedule; zbv's V placement puts the tied embedding and head in
+    # two chunks of rank 0 (that weight stays whole, all-reduced); vpp2 ties across ranks
+    {"name": "gpipe_fsdp", **PP2, "schedule": "gpipe", "fsdp": True},
+    {"name": "1f1b_fsdp", **PP2, "fsdp": True},
+    {"name": "zbh1_fsdp", **PP2, "schedule": "zb-h1", "fsdp": True},
+    {"name": "zbv_fsdp", **PP2, "schedule": "zbv", "fsdp": True},
+    {"name": "il_fsdp_acc2", **PP2, "vpp": 2, "accumulate": 2, "fsdp": True},
+    {"name": "1f1b_fsdp_reshard", **PP2, "fsdp": True, "reshard_after_forward": True},
+    {"name": "zbv_fsdp_recompute", **PP2, "schedule": "zbv", "fsdp": True, "recompute": "full"},
     # unsharded, same shapes: the memory figures' baseline
     {"name": "1f1b_z0", **PP2},
     {"name": "zbv_z0", **PP2, "schedule": "zbv"},
@@ -107,6 +118,7 @@ def test_sharded_runs_match_the_single_process_trainer(zero_runs, references, cf
     ranks = zero_runs[cfg["name"]]
     assert len(ranks[0]["train_loss"]) == 10 * cfg["accumulate"]
     kind = "ShardedGradSync" if cfg.get("zero") else "DeferredGradSync"
+    kind = "FsdpGradSync" if cfg.get("fsdp") else kind
     assert {d["sharding"]["kind"] for d in ranks} == {kind}
     assert _mismatches(ranks, references[cfg["accumulate"]], REL_TOL) == []
     for d in ranks[1:]:  # every rank logs the very same values
@@ -168,6 +180,39 @@ def test_optimizer_state_is_one_dp_th_per_rank(zero_runs, sharded, plain):
         assert z["held"]["params"] == u["held"]["params"]  # zero shards no parameters
 
 
+@pytest.mark.parametrize("sharded,plain", [("1f1b_fsdp", "1f1b_z0"), ("zbv_fsdp", "zbv_z0")])
+def test_fsdp_holds_one_dp_th_of_parameters_gradients_and_state(zero_runs, sharded, plain):
+    """Measured from the tensors (a DTensor's local shard): parameters, gradients and AdamW
+    moments are 1/dp of the unsharded run's; a weight two local chunks share (zbv, rank 0: the
+    tied embedding and head) stays whole on every replica, 4 bytes per element."""
+    for f, u in zip(zero_runs[sharded], zero_runs[plain]):
+        whole = 4 * f["sharding"]["whole_numel"]
+        held, full = f["held"], u["held"]
+        assert held["params"] == (full["params"] - whole) / f["dp"] + whole, (f, u)
+        assert held["grads"] == (full["grads"] - whole) / f["dp"] + whole
+        assert held["optimizer"] == (full["optimizer"] - 2 * whole) / f["dp"] + 2 * whole
+        assert held["master"] == 0
+
+
+@pytest.mark.parametrize("name", ["1f1b_fsdp", "zbv_fsdp", "il_fsdp_acc2"])
+def test_fsdp_reduce_scatter_starts_at_each_chunks_last_backward(zero_runs, name):
+    """One reduce-scatter per FSDP2 unit, started inside its chunk's last B (or W), not at the
+    end of the step (torch.distributed.pipelining reduces every stage after its last
+    backward); with two chunks per rank the first chunk's start while the rank still works."""
+    cfg = next(c for c in ZERO if c["name"] == name)
+    for d in zero_runs[name]:
+        for i, step in enumerate(d["sync"]):
+            if (i + 1) % cfg["accumulate"]:
+                assert step["launches"] == []
+                continue
+            assert len(step["launches"]) == step["buckets"] > 0
+            for ev in step["launches"]:
+                last = step["last_b"][str(ev["chunk"])]
+                assert last["start"] <= ev["t"] <= last["end"]
+            if len(step["last_b"]) > 1:
+                assert min(ev["t"] for ev in step["launches"]) < step["last_action"]["start"]
+
+
 def test_zero_2_keeps_only_the_gradient_rows(zero_runs):
     """After the step, zero=2 holds the optimizer's row gradients alone (1/dp); zero=1 keeps
     the full-size gradients allocated as well."""
@@ -201,8 +246,13 @@ def test_reduce_scatter_starts_at_each_chunks_last_backward(zero_runs, name):
 
 # ---------------------------------------------------------------------------- checkpoints
 def _phases(out: Path) -> dict[str, str]:
-    z1 = out / "z1_ckpt"
-    return {"z1": str(z1), "z1_5": str(z1 / "step=5.ckpt")}
+    z1, f = out / "z1_ckpt", out / "f_ckpt"
+    return {
+        "z1": str(z1),
+        "z1_5": str(z1 / "step=5.ckpt"),
+        "f": str(f),
+        "f_5": str(f / "step=5.ckpt"),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -215,6 +265,10 @@ def ckpt_runs(tmp_path_factory) -> Path:
         {"name": "z1_save", **pp2, "zero": 1, "max_steps": 5, "every": 5, "ckpt_dir": paths["z1"]},
         {"name": "z1_resume", **pp2, "zero": 1, "max_steps": 10, "resume": paths["z1_5"]},
         {"name": "z1_to_z0", **pp2, "max_steps": 10, "resume": paths["z1_5"]},
+        {"name": "f_save", **pp2, "fsdp": True, "max_steps": 5, "every": 5, "ckpt_dir": paths["f"]},
+        {"name": "f_resume", **pp2, "fsdp": True, "max_steps": 10, "resume": paths["f_5"]},
+        {"name": "f_to_z1", **pp2, "zero": 1, "max_steps": 10, "resume": paths["f_5"]},
+        {"name": "z1_to_f", **pp2, "fsdp": True, "max_steps": 10, "resume": paths["z1_5"]},
         {
             "name": "z1_to_zbv_z2",
             "pp": 2,
@@ -239,6 +293,8 @@ def ckpt_runs(tmp_path_factory) -> Path:
     run_phase({"name": "plain_full", "pp": 0, "max_steps": 10}, str(out / "p"), 1)
     plain = {"name": "z1_to_plain", "pp": 0, "max_steps": 10, "resume": paths["z1_5"]}
     run_phase({**plain, "pipeline_io": True}, str(out / "p"), 1)
+    f_plain = {"name": "f_to_plain", "pp": 0, "max_steps": 10, "resume": paths["f_5"]}
+    run_phase({**f_plain, "pipeline_io": True}, str(out / "p"), 1)
     return out
 
 
@@ -271,14 +327,21 @@ def _ck(out: Path, group: str, name: str, size: int) -> list[dict]:
         ("z1_to_z0", "w", 4),
         ("z1_to_zbv_z2", "w", 4),
         ("z1_to_plain", "p", 1),
+        ("z1_to_f", "w", 4),
+        ("f_resume", "w", 4),
+        ("f_to_z1", "w", 4),
+        ("f_to_plain", "p", 1),
     ],
 )
-def test_a_zero_checkpoint_resumes_under_any_sharding(ckpt_runs, name, group, size):
-    """Steps 6-10 after loading the zero=1 step-5 checkpoint equal the uninterrupted plain
-    single-process run's: the moments were saved whole, by name, and cut anew on loading."""
+def test_a_sharded_checkpoint_resumes_under_any_sharding(ckpt_runs, name, group, size):
+    """Steps 6-10 after loading the step-5 checkpoint of a zero=1 (``z1_*``) or an fsdp
+    (``f_*``) run equal the uninterrupted plain single-process run's: parameters and moments
+    were saved by name and shape (DTensor shards, one chunk per replica) and are cut anew on
+    loading, for zero's rows or FSDP2's shards."""
     full = _ck(ckpt_runs, "p", "plain_full", 1)[0]
-    saved = _ck(ckpt_runs, "w", "z1_save", 4)
-    assert max(_rel(saved[0]["train_loss"], full["train_loss"][:5])) <= REL_TOL
+    for saved_name in ("z1_save", "f_save"):
+        saved = _ck(ckpt_runs, "w", saved_name, 4)
+        assert max(_rel(saved[0]["train_loss"], full["train_loss"][:5])) <= REL_TOL
     resumed = _ck(ckpt_runs, group, name, size)
     for d in resumed:
         assert max(_rel(d["train_loss"], full["train_loss"][5:])) <= RESHARD_TOL, name

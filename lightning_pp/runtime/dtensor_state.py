@@ -1,0 +1,77 @@
+"""Whole tensors loaded into sharded ones: a checkpoint's plain tensor becomes a ``DTensor`` laid
+out as the parameter (or optimizer state) it replaces.
+
+Checkpoints store every tensor whole, by name (DCP reads a ``DTensor``'s shards into one plain
+tensor). FSDP2's parameters and their optimizer state are ``DTensor`` s, and neither
+``Module.load_state_dict`` nor ``Optimizer.load_state_dict`` takes a plain tensor for one
+("mixed torch.Tensor and DTensor"). :func:`like` cuts the whole tensor into this rank's shard
+without communication (every rank holds the whole tensor already).
+
+Example::
+
+    module.load_state_dict(module_state_like(module, loaded))     # FSDP2 chunks included
+    DTensorOptimizer(optimizer).load_state_dict(positional_state)  # moments become shards
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+__all__ = ["DTensorOptimizer", "like", "module_state_like"]
+
+
+def like(current: Any, value: Any) -> Any:
+    """``value`` laid out as ``current``: a plain tensor of a ``DTensor``'s global shape becomes
+    a ``DTensor`` of the same mesh and placements (this rank's part, cut locally); anything
+    else is returned as it is."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if (
+        isinstance(current, DTensor)
+        and isinstance(value, Tensor)
+        and not isinstance(value, DTensor)
+        and tuple(value.shape) == tuple(current.shape)
+    ):
+        return distribute_tensor(
+            value.to(device=current.to_local().device),
+            current.device_mesh,
+            current.placements,
+            src_data_rank=None,  # every rank holds the whole tensor: no scatter
+        )
+    return value
+
+
+def module_state_like(module: nn.Module, state: Mapping[str, Any]) -> dict[str, Any]:
+    """``state`` for ``module.load_state_dict``: each entry laid out as the module's own."""
+    current = module.state_dict()
+    return {k: like(current.get(k), v) for k, v in state.items()}
+
+
+class DTensorOptimizer:
+    """An optimizer seen by a checkpoint loader: ``load_state_dict`` lays each state tensor of
+    a ``DTensor`` parameter out as that parameter (:func:`like`); ``state_dict`` and
+    ``param_groups`` are the optimizer's own (``DTensor`` moments save as shards).
+
+    Example::
+
+        DTensorOptimizer(optimizer).load_state_dict(saved)   # saved: whole tensors
+    """
+
+    def __init__(self, optimizer: Optimizer) -> None:
+        self.optimizer = optimizer
+        self.param_groups = optimizer.param_groups
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        state = {
+            i: {k: like(params[i], v) for k, v in entry.items()}
+            for i, entry in state_dict["state"].items()
+        }
+        self.optimizer.load_state_dict({**state_dict, "state": state})
