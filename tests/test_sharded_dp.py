@@ -56,6 +56,7 @@ ZERO = [
     {"name": "il_fsdp_acc2", **PP2, "vpp": 2, "accumulate": 2, "fsdp": True},
     {"name": "1f1b_fsdp_reshard", **PP2, "fsdp": True, "reshard_after_forward": True},
     {"name": "zbv_fsdp_recompute", **PP2, "schedule": "zbv", "fsdp": True, "recompute": "full"},
+    {"name": "il_fsdp_bf16", **PP2, "vpp": 2, "fsdp": True, "precision": "bf16-mixed"},
     # unsharded, same shapes: the memory figures' baseline
     {"name": "1f1b_z0", **PP2},
     {"name": "zbv_z0", **PP2, "schedule": "zbv"},
@@ -144,8 +145,9 @@ def test_the_comparison_catches_summed_gradients(zero_runs, references):
         assert all(abs(r - 2) < 1e-3 for r in ratios), ratios
 
 
-def test_bf16_mixed_with_zero_trains_close_to_fp32(zero_runs, references):
-    losses = zero_runs["zbv_z1_bf16"][0]["train_loss"]
+@pytest.mark.parametrize("name", ["zbv_z1_bf16", "il_fsdp_bf16"])
+def test_bf16_mixed_sharded_trains_close_to_fp32(zero_runs, references, name):
+    losses = zero_runs[name][0]["train_loss"]
     assert all(math.isfinite(x) for x in losses)
     # bf16 autocast keeps ~3 significant digits: close to fp32, not equal
     assert max(_rel(losses, references[1]["train_loss"])) < 5e-2

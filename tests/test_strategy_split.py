@@ -84,6 +84,16 @@ CONFIGS = [
         microbatches=2,
         precision="bf16-mixed",
     ),
+    # pp2 x dp2, FSDP2 per chunk (each HF block a unit of its own), clipping
+    dict(
+        name="gpt2_pp2_dp2_fsdp",
+        model="gpt2",
+        split=GPT2,
+        pp=2,
+        microbatches=2,
+        fsdp=True,
+        clip=0.5,
+    ),
     # gpt2_pp4's checkpoint loaded at pp2 x vpp2 x dp2 (resharded by name)
     dict(
         name="gpt2_resume_pp2_vpp2_dp2",

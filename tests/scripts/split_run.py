@@ -4,9 +4,9 @@ group (start-up paid once); write per-rank JSON and a sharded checkpoint per con
     torchrun --nproc_per_node 4 tests/scripts/split_run.py --out DIR --configs '[{...}, ...]'
 
 Each config: {"name", "model", "split", "pp", "vpp", "microbatches", optional "schedule",
-"accumulate", "precision", "clip", "zero", "build" ("configure_model" | "init"), "resume" (name
-of an earlier config whose checkpoint this one loads, at its own shape, and only validates), "eval"
-(also run trainer.test and trainer.predict)}.
+"accumulate", "precision", "clip", "zero", "fsdp", "build" ("configure_model" | "init"),
+"resume" (name of an earlier config whose checkpoint this one loads, at its own shape, and only
+validates), "eval" (also run trainer.test and trainer.predict)}.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ def run(cfg: dict, devices: int, out: str) -> None:
         schedule=cfg.get("schedule"),
         split=cfg["split"],
         zero=cfg.get("zero", 0),
+        fsdp=cfg.get("fsdp", False),
     )
     world = int(os.environ.get("WORLD_SIZE", devices))
     dp = world // cfg["pp"]
