@@ -215,6 +215,44 @@ def test_fsdp_reduce_scatter_starts_at_each_chunks_last_backward(zero_runs, name
                 assert min(ev["t"] for ev in step["launches"]) < step["last_action"]["start"]
 
 
+@pytest.mark.parametrize("name", ["1f1b_z1", "1f1b_z2_tiny", "1f1b_fsdp", "1f1b_z0"])
+def test_the_plans_prediction_is_within_2_percent_of_the_measured_bytes(zero_runs, name):
+    """The planner's per-rank state bytes (planner.sharding.sharded_state_bytes, from the
+    layers' parameter shapes) against what ModelStateMemoryMonitor measured from the tensors
+    after the optimizer step, on every rank: parameters, gradients, master weights, optimizer
+    state, each within 2 %."""
+    from pp_common import MODEL_KW
+
+    from lightning_pp.layout.plan import PipelinePlan
+    from lightning_pp.models import GPT
+    from lightning_pp.planner.sharding import sharded_state_bytes
+
+    cfg = next(c for c in ZERO if c["name"] == name)
+    model = GPT(**MODEL_KW)
+    model.configure_model()
+    shapes = [[tuple(p.shape) for p in model.layers[i].parameters()] for i in range(8)]
+    plan = PipelinePlan.build(
+        pp=2,
+        world_size=4,
+        microbatches=cfg["microbatches"],
+        num_layers=8,
+        zero=cfg.get("zero", 0),
+        fsdp=cfg.get("fsdp", False),
+        bucket_cap_mb=cfg.get("bucket_cap_mb", 25.0),
+    )
+    for d in zero_runs[name]:
+        want = sharded_state_bytes(plan, shapes, d["pp_rank"], dp_rank=d["dp_rank"], param_bytes=4)
+        predicted = {
+            "params": want.params_at_step,
+            "grads": want.grads_at_step,
+            "master": want.master,
+            "optimizer": want.optimizer,
+        }
+        for key, value in predicted.items():
+            got = d["held"][key]
+            assert abs(got - value) <= 0.02 * max(got, value), (name, d["rank"], key, got, value)
+
+
 def test_zero_2_keeps_only_the_gradient_rows(zero_runs):
     """After the step, zero=2 holds the optimizer's row gradients alone (1/dp); zero=1 keeps
     the full-size gradients allocated as well."""

@@ -12,6 +12,7 @@ A run file has these top-level sections (see ``docs/config.md``)::
     callbacks: [{class_path: ..., init_args: {...}}, ...]
     logger:    {class_path: lightning.pytorch.loggers.CSVLogger, init_args: {save_dir: runs}}
     sample:    {enabled: true, prompt: "def ", max_new_tokens: 200}
+    planner:   {memory_per_device: 80GiB, optimizer: adam}   # what `plan` assumes; fit ignores it
 
 Every key is checked before anything is built: ``trainer`` and ``strategy`` keys against the real
 ``L.Trainer`` / ``PipelineStrategy`` signatures, ``init_args`` against the named class's
@@ -75,6 +76,20 @@ class SampleConfig:
 
 
 @dataclass
+class PlannerConfig:
+    """What ``lightning-pp plan`` assumes of the machine and the optimizer (``fit`` ignores it).
+
+    ``memory_per_device``: each device's memory (bytes, or ``"80GiB"``): the dry run says
+    whether every rank's predicted peak fits, ``--search`` drops the shapes that do not
+    (``--memory-per-device`` overrides it). ``optimizer``: the optimizer-state model (``adam``,
+    ``adamw``: 8 bytes per parameter; ``sgd-momentum`` 4; ``sgd`` 0; ``--optimizer`` overrides).
+    """
+
+    memory_per_device: int | str | None = None
+    optimizer: str = "adam"
+
+
+@dataclass
 class RunSchema:
     """Top-level keys of a run file and their types (``model``/``data``/... are class specs)."""
 
@@ -88,6 +103,7 @@ class RunSchema:
     callbacks: list = field(default_factory=list)
     logger: Any = None
     sample: SampleConfig = field(default_factory=SampleConfig)
+    planner: PlannerConfig = field(default_factory=PlannerConfig)
 
 
 SECTIONS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(RunSchema))
@@ -253,7 +269,31 @@ def check_config(cfg: RunConfig) -> None:
     _check_callbacks(data.get("callbacks"), errors)
     _check_logger(data.get("logger"), errors)
     _check_dataclass(data.get("sample"), SampleConfig, "sample", errors)
+    _check_planner(data.get("planner"), errors)
     errors.raise_if_any()
+
+
+def _check_planner(planner: Any, errors: _Errors) -> None:
+    """The ``planner`` section's fields, a size that parses and an optimizer the planner
+    models."""
+    _check_dataclass(planner, PlannerConfig, "planner", errors)
+    if not isinstance(planner, Mapping):
+        return
+    from ..layout.recompute_spec import parse_bytes
+    from ..planner.sharding import OPTIMIZER_STATES
+
+    size = planner.get("memory_per_device")
+    if isinstance(size, (int, str)) and not isinstance(size, bool):
+        try:
+            parse_bytes(size, key="memory_per_device")
+        except ValueError as e:
+            errors.add("planner.memory_per_device", str(e))
+    optimizer = planner.get("optimizer")
+    if isinstance(optimizer, str) and optimizer not in OPTIMIZER_STATES:
+        errors.add(
+            "planner.optimizer",
+            f"unknown optimizer-state model {optimizer!r}; known: {sorted(OPTIMIZER_STATES)}",
+        )
 
 
 def _check_dataclass(value: Any, cls: type, key: str, errors: _Errors) -> None:

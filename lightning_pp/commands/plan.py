@@ -2,16 +2,19 @@
 
 Prints the resolved config, the processes, the model's size, the plan (shape, placement,
 partition per rank and chunk with parameter counts, schedule and bubble, batch split: the lines
-of :meth:`~lightning_pp.layout.plan.PipelinePlan.describe`, the same the strategy logs at start)
-and the
-predicted schedule grid. Nothing is trained, no process is started and no weights are allocated:
-the model is built on PyTorch's ``meta`` device, where tensors have shapes but no storage, so a
-1B-parameter template checks in seconds on a laptop. ``lightning-pp validate`` is a deprecated
-alias; ``lightning-pp fit --dry-run`` prints the same report.
+of :meth:`~lightning_pp.layout.plan.PipelinePlan.describe`, the same the strategy logs at start),
+the predicted schedule grid, and each pipeline rank's predicted memory (parameters, gradients,
+master weights, optimizer state, activations) with the heaviest rank under every data-parallel
+sharding (none, ``zero=1``, ``zero=2``, ``fsdp``) against ``planner.memory_per_device``. Nothing
+is trained, no process is started and no weights are allocated: the model is built on PyTorch's
+``meta`` device, where tensors have shapes but no storage (the activations are measured there
+too), so a 70B-parameter template checks in seconds on a laptop. ``lightning-pp validate`` is
+a deprecated alias; ``lightning-pp fit --dry-run`` prints the same report.
 
 Example::
 
     lightning-pp plan configs/gpt_1b_pp4_vpp2.yaml
+    lightning-pp plan configs/gpt_70b_pp8.yaml strategy.zero=0   # 70B: which sharding fits
     lightning-pp plan configs/demo_cpu.yaml strategy.pp=4 strategy.microbatches=8
     lightning-pp plan configs/demo_cpu.yaml --search --devices 4   # profile + search shapes
 
@@ -86,11 +89,16 @@ def run(args: argparse.Namespace) -> int:
             f"shape search, unused without it: add --search (plan without it checks the "
             f"config's own shape; its world size comes from the config's trainer)",
         )
-    return report(cfg, command=command)
+    return report(cfg, command=command, args=args)
 
 
-def report(cfg: RunConfig, command: str = "plan") -> int:
-    """Print the plan for ``cfg``; 0 if it is consistent, 2 (with a message) if not."""
+def report(cfg: RunConfig, command: str = "plan", args: argparse.Namespace | None = None) -> int:
+    """Print the plan for ``cfg``; 0 if it is consistent, 2 (with a message) if not.
+
+    With the layers known, the report ends with each pipeline rank's predicted memory and the
+    heaviest rank's under every data-parallel sharding (:mod:`lightning_pp.commands.
+    plan_memory`); a prediction over the memory limit is reported, not refused (exit 0)."""
+    from lightning_pp.commands.plan_memory import memory_lines, memory_settings
     from lightning_pp.schedules import render_grid
 
     launch = detect_launch_environment()
@@ -98,6 +106,7 @@ def report(cfg: RunConfig, command: str = "plan") -> int:
         # The run may be meant for another machine (a GPU template checked on a laptop): a
         # missing accelerator is a note here; `fit` refuses it.
         checked = check_run(cfg, launch, model="require", this_machine=launch is not None)
+        memory = memory_settings(cfg, args)
     except ConfigError as err:
         return fail(command, str(err))
     head = f"config: {cfg.path}"
@@ -138,6 +147,8 @@ def report(cfg: RunConfig, command: str = "plan") -> int:
             f"no communication latency) ---",
             render_grid(plan.schedule),
         ]
+        if plan.layer_ranges is not None:
+            out += memory_lines(cfg, plan, info, memory)
     section = cfg.get("strategy")
     if isinstance(section, dict) and section.get("recompute") == "auto":
         # The one rule plan cannot apply: the planner needs activations measured on a batch.

@@ -28,6 +28,19 @@ __all__ = ["add_search_options", "candidate_sizes", "run_search"]
 
 def add_search_options(p: argparse.ArgumentParser) -> None:
     """The ``--search`` options of ``lightning-pp plan``."""
+    both = p.add_argument_group("memory (the dry run and --search)")
+    both.add_argument(
+        "--memory-per-device",
+        default=None,
+        help="e.g. 80GiB: the dry run says whether each sharding fits, --search drops what "
+        "exceeds it (default: planner.memory_per_device)",
+    )
+    both.add_argument(
+        "--optimizer",
+        default=None,
+        help="optimizer-state model: adam|adamw|sgd-momentum|sgd (default: planner.optimizer, "
+        "else adam)",
+    )
     g = p.add_argument_group("search (--search)")
     g.add_argument("--search", action="store_true", help="profile, search shapes, recommend one")
     added: list[argparse.Action] = []
@@ -40,9 +53,7 @@ def add_search_options(p: argparse.ArgumentParser) -> None:
     opt("--save-profile", default=None, metavar="FILE.json", help="save the profile")
     opt("--cache-dir", default=None, help="profile cache (~/.cache/lightning_pp)")
     opt("--top", type=int, default=10, help="rows of the table (default 10)")
-    opt("--memory-per-device", default=None, help="e.g. 8GiB: drop what exceeds it")
     opt("--write", default=None, metavar="FILE.yaml", help="write the chosen config")
-    opt("--optimizer", default="adam", help="optimizer-state model: adam|sgd|...")
     opt("--repeats", type=int, default=3, help="timed runs per layer (fastest kept)")
     opt("--max-microbatches", type=int, default=64, help="largest m tried")
     opt("--latency", type=float, default=None, help="P2P latency, seconds")
@@ -133,12 +144,41 @@ def check_search_flags(args: argparse.Namespace) -> str | None:
     return None
 
 
+def _state_bytes(memory: Any) -> Any:
+    """Bytes per parameter of each training state: from ``trainer.precision`` when the run
+    file sets it (``bf16-true``: bf16 parameters, fp32 master weights and Adam states), else
+    ``None`` (the profile's own dtype, no master weight)."""
+    from lightning_pp.planner.sharding import StateBytes
+
+    if memory.precision is None:
+        StateBytes.for_precision(None, memory.optimizer)  # refuses an unknown optimizer
+        return None
+    return StateBytes.for_precision(memory.precision, memory.optimizer)
+
+
+def _bucket_cap_mb(checked: Any) -> float:
+    """The run's gradient bucket size (the ``zero`` padding follows its buckets)."""
+    from lightning_pp.planner.sharding import DEFAULT_BUCKET_CAP_MB
+
+    plan = checked.plan
+    cap = plan.bucket_cap_mb if plan is not None else None
+    return float(cap) if cap else DEFAULT_BUCKET_CAP_MB
+
+
+def _comm_name(candidate: Any) -> str:
+    """What the data-parallel communication of ``candidate`` is."""
+    if candidate.fsdp:
+        return "all-gather + reduce-scatter"
+    return "reduce-scatter + all-gather" if candidate.zero else "all-reduce"
+
+
 def run_search(cfg: RunConfig, args: argparse.Namespace, command: str = "plan") -> int:
     """The ``--search`` report; 0, or 2 with a message."""
     from omegaconf import OmegaConf
 
     from lightning_pp.commands.config import instantiate
-    from lightning_pp.layout.recompute_spec import parse_bytes
+    from lightning_pp.commands.plan_memory import memory_settings
+    from lightning_pp.layout.recompute_spec import format_bytes
     from lightning_pp.planner import (
         ModelProfile,
         SearchError,
@@ -165,12 +205,12 @@ def run_search(cfg: RunConfig, args: argparse.Namespace, command: str = "plan") 
     global_batch = _global_batch(cfg, dp_now)
     if global_batch is None:
         return fail(command, "--search needs data.init_args.batch_size (an integer) in the config")
-    budget = None
-    if args.memory_per_device is not None:
-        try:
-            budget = parse_bytes(args.memory_per_device, key="--memory-per-device")
-        except ValueError as err:
-            return fail(command, str(err))
+    try:
+        memory = memory_settings(cfg, args)
+        state_bytes = _state_bytes(memory)
+    except (ConfigError, ValueError) as err:  # a size that does not parse, an unknown optimizer
+        return fail(command, str(err))
+    budget = memory.limit
     if args.profile:
         try:
             profile = ModelProfile.load(args.profile)
@@ -238,9 +278,12 @@ def run_search(cfg: RunConfig, args: argparse.Namespace, command: str = "plan") 
             world,
             global_batch,
             memory_per_device=budget,
-            space=SearchSpace(max_microbatches=args.max_microbatches),
-            optimizer=args.optimizer,
+            space=SearchSpace(
+                max_microbatches=args.max_microbatches, bucket_cap_mb=_bucket_cap_mb(checked)
+            ),
+            optimizer=memory.optimizer,
             cores=cores or None,
+            state_bytes=state_bytes,
         )
     except SearchError as err:
         return fail(command, str(err))
@@ -260,7 +303,7 @@ def run_search(cfg: RunConfig, args: argparse.Namespace, command: str = "plan") 
         *([calibrated] if calibrated else []),
         f"search: world {world}, global batch {global_batch}: {result.considered} candidates "
         f"({len(result.ranked)} fit"
-        + (f" in {args.memory_per_device}" if budget is not None else "")
+        + (f" in {format_bytes(budget)} ({memory.limit_source})" if budget is not None else "")
         + f", {len(result.over_memory)} over memory, {len(result.rejected)} shapes refused by "
         f"the plan rules) in {result.seconds:.2f} s ({result.cpu_seconds:.2f} s CPU)",
         "",
@@ -269,7 +312,8 @@ def run_search(cfg: RunConfig, args: argparse.Namespace, command: str = "plan") 
         f"chosen: {describe_shape(best.candidate)}",
         f"  predicted step {best.step_s * 1e3:.1f} ms (pipeline {best.makespan_s * 1e3:.1f} ms"
         + (f" + oversubscription {best.contention_s * 1e3:.1f} ms" if best.contention_s else "")
-        + f" + dp all-reduce {best.allreduce_s * 1e3:.1f} ms), bubble {100 * best.bubble:.1f}%, "
+        + f" + dp {_comm_name(best.candidate)} {best.allreduce_s * 1e3:.1f} ms), bubble "
+        f"{100 * best.bubble:.1f}%, "
         f"peak memory on pipeline rank {best.heaviest.rank} {describe_memory(best.heaviest)}",
     ]
     if args.write:
@@ -287,7 +331,12 @@ def run_search(cfg: RunConfig, args: argparse.Namespace, command: str = "plan") 
 
         def predict_config():
             return predict(
-                profile, shape.candidate, shape.plan, optimizer=args.optimizer, cores=cores or None
+                profile,
+                shape.candidate,
+                shape.plan,
+                optimizer=memory.optimizer,
+                cores=cores or None,
+                state_bytes=state_bytes,
             )
 
         print("\n".join(out))

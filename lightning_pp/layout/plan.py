@@ -372,8 +372,9 @@ class PipelinePlan:
                 if params is not None:
                     lines.append(
                         f"  rank {r} total: {total:,} params ({format_count(total)}); fp32 "
-                        f"weights + grads + AdamW states ~ {16 * total / 2**30:.2f} GiB "
-                        f"(activations not included)"
+                        f"weights + grads + AdamW states between steps ~ "
+                        f"{self._state_bytes_per_param() * total / 2**30:.2f} GiB"
+                        f"{self._state_note()} (activations not included)"
                     )
         if self.batch_size is not None:
             sizes = sorted(set(self.microbatch_sizes(self.batch_size)))
@@ -402,6 +403,21 @@ class PipelinePlan:
         if self.zero or self.fsdp:
             lines.append(f"data-parallel sharding: {self.sharding_text}")
         return lines
+
+    def _state_bytes_per_param(self) -> float:
+        """fp32 weights (4) + grads (4) + AdamW moments (8) one replica holds between steps,
+        after the data-parallel sharding: ``zero`` cuts the moments, ``zero=2`` the gradients
+        too, ``fsdp`` all three by ``dp``."""
+        dp = self.dp or 1
+        if self.fsdp:
+            return 16 / dp
+        return 4 + (4 / dp if self.zero == 2 else 4) + (8 / dp if self.zero else 8)
+
+    def _state_note(self) -> str:
+        if not (self.zero or self.fsdp):
+            return ""
+        what = "fsdp" if self.fsdp else f"zero={self.zero}"
+        return f" with {what} over dp={self.dp or '?'}"
 
     @property
     def sharding_text(self) -> str:

@@ -143,9 +143,11 @@ def check_settings(
     accumulate_grad_batches: int = 1,
     zero: int = 0,
     fsdp: bool = False,
+    reshard_after_forward: bool = False,
 ) -> None:
     """The rules that need no pipeline size: positive counts, a known partition, sane limits,
-    and a data-parallel sharding that exists (:func:`check_sharding`).
+    and a data-parallel sharding that exists (:func:`check_sharding`, :func:`check_reshard`
+    without the schedule).
 
     :meth:`PipelinePlan.build` runs them first; a front end that cannot know ``pp`` yet (``pp``
     left to the world size, the world decided at run time) runs them alone.
@@ -161,6 +163,7 @@ def check_settings(
     _positive_number("bucket_cap_mb", bucket_cap_mb, "megabytes")
     _positive_number("watchdog_timeout", watchdog_timeout, "seconds", none_means="disabled")
     check_sharding(zero, fsdp)
+    check_reshard(reshard_after_forward, fsdp)
     if isinstance(partition, str):
         if partition not in PARTITION_METHODS:
             close = difflib.get_close_matches(partition, PARTITION_METHODS, n=1)

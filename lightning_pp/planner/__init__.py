@@ -3,6 +3,9 @@
 - :mod:`.profile`: :class:`ModelProfile` / :class:`LayerCost`, JSON save/load.
 - :mod:`.profiler`: measure a model's layers on this process's device (cached).
 - :mod:`.memory`: predicted peak memory per rank.
+- :mod:`.sharding`: the training states' bytes under ``zero``/``fsdp`` (the formulas).
+- :mod:`.meta_profile`, :mod:`.plan_memory`: a plan's memory from the meta-device model (the
+  dry run of ``lightning-pp plan``).
 - :mod:`.search`: enumerate, simulate, rank.
 - :mod:`.verify`: run shapes in spawned worlds, compare with the prediction, calibrate the
   engine overhead and hop latency (imported on use: it spawns processes).
@@ -20,6 +23,7 @@ from .memory import OPTIMIZER_BYTES, RankMemory, rank_memory
 from .profile import LayerCost, ModelProfile
 from .report import chosen_config, format_table
 from .search import Candidate, Prediction, SearchError, SearchResult, SearchSpace, predict, search
+from .sharding import ShardedState, Sharding, StateBytes, rank_state_bytes, sharded_state_bytes
 
 __all__ = [
     "OPTIMIZER_BYTES",
@@ -31,9 +35,14 @@ __all__ = [
     "SearchError",
     "SearchResult",
     "SearchSpace",
+    "ShardedState",
+    "Sharding",
+    "StateBytes",
     "chosen_config",
     "format_table",
     "predict",
     "rank_memory",
+    "rank_state_bytes",
     "search",
+    "sharded_state_bytes",
 ]

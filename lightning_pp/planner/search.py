@@ -8,8 +8,10 @@ dividing the per-replica batch; the schedules (``gpipe``, ``1f1b``, ``zb-h1`` at
 ``gpipe``, ``interleaved``, ``zbv`` at ``vpp = 2``; ``gpipe``, ``interleaved`` at ``vpp = 4``;
 only ``1f1b`` at ``pp = 1``, where every schedule runs the same actions); recompute ``None`` or
 ``"full"``; the layer split ``uniform`` or ``cost`` (balanced by measured ``t_f + t_i + t_w``;
-dropped when it equals the uniform one). :class:`~lightning_pp.layout.plan.PipelinePlan` checks each
-one: the planner states no rule of its own.
+dropped when it equals the uniform one); with ``dp > 1``, the data-parallel sharding: none,
+``zero=1`` and ``fsdp`` (:attr:`SearchSpace.shardings`).
+:class:`~lightning_pp.layout.plan.PipelinePlan` checks each one: the planner states no rule of
+its own.
 
 **Step time** = the simulator's makespan + a data-parallel all-reduce term. The simulator gets
 per-(rank, chunk) costs: the sum of the chunk's layers' measured ``t_f``, ``t_i``, ``t_w`` at the
@@ -22,12 +24,20 @@ costs ``latency - receive_s + boundary bytes / bandwidth`` (the largest boundary
 the bubble monitor's expectation splits a hop the same way).
 The all-reduce follows the ring model, ``2 (dp-1)/dp x grad bytes / bandwidth + 2 (dp-1) x
 latency`` for the heaviest rank's gradients, added after the makespan (the engine overlaps it
-with the last backwards, so this errs on the slow side). The optimizer step is not counted.
+with the last backwards, so this errs on the slow side). A sharded candidate moves the same
+volume (:func:`dp_comm_seconds`): ``zero`` reduce-scatters the gradients and all-gathers the
+updated parameters, ``fsdp`` all-gathers the parameters once per step (before each chunk's
+first forward, ``reshard_after_forward=False``) and reduce-scatters the gradients; each half is
+``(dp-1)/dp x bytes / bandwidth + (dp-1) x latency``. So sharding changes the step time only
+where parameters and gradients differ in size, and the ranking (time, then memory) puts a
+sharded shape before the same shape unsharded. The optimizer step is not counted.
 With ``cores`` given and more processes than cores, the pipeline's time is at least the whole
 world's compute over the cores (:func:`oversubscribed_seconds`).
 
-**Memory**: :func:`~lightning_pp.planner.memory.rank_memory` per pipeline rank; candidates whose
-heaviest rank exceeds ``memory_per_device`` are dropped (kept aside for the error message).
+**Memory**: :func:`~lightning_pp.planner.memory.rank_memory` per pipeline rank (the training
+states by :mod:`lightning_pp.planner.sharding`, at the step's peak; ``state_bytes``: the bytes
+per parameter, e.g. bf16 parameters with fp32 Adam); candidates whose heaviest rank exceeds
+``memory_per_device`` are dropped (kept aside for the error message).
 
 **Order**: predicted step time, then peak memory, then a stable key of the shape, so a given
 profile always gives the same ranking.
@@ -60,13 +70,15 @@ from ..layout.rules import (
     check_batch,
     check_layers,
     check_schedule_args,
+    check_sharding,
     check_world,
 )
 from ..schedules import Action, Costs, Op, receives
 from .fastsim import CompiledSchedule
-from .memory import RankMemory, rank_memory
+from .memory import RankMemory, profile_state_bytes, rank_memory, with_states
 from .profile import LayerCost, ModelProfile
 from .recompute import inflight_profile
+from .sharding import DEFAULT_BUCKET_CAP_MB, Sharding, StateBytes, rank_state_bytes
 
 __all__ = [
     "Candidate",
@@ -75,10 +87,13 @@ __all__ = [
     "SearchResult",
     "SearchSpace",
     "allreduce_seconds",
+    "collective_seconds",
     "describe_candidate",
     "describe_memory",
     "describe_shape",
+    "dp_comm_seconds",
     "make_candidate",
+    "memory_variants",
     "oversubscribed_seconds",
     "predict",
     "search",
@@ -111,12 +126,18 @@ class SearchSpace:
     recomputes: tuple[str | None, ...] = (None, "full")
     splits: tuple[str, ...] = ("uniform", "cost")
     max_microbatches: int | None = 64
+    #: data-parallel shardings tried when ``dp > 1`` (:meth:`Sharding.parse` labels); a
+    #: ``dp = 1`` shape has nothing to shard and runs unsharded
+    shardings: tuple[str, ...] = ("none", "zero=1", "fsdp")
+    #: the gradient bucket size the ``zero`` padding follows (PipelineStrategy's default)
+    bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB
 
 
 @dataclass(frozen=True)
 class Candidate:
     """One shape: ``dp x pp`` processes, ``vpp`` chunks per rank, ``microbatches`` per step,
-    a schedule, a layer split (``counts``: layers per virtual stage) and a recompute setting."""
+    a schedule, a layer split (``counts``: layers per virtual stage), a recompute setting and
+    the data-parallel sharding (``zero`` 0/1/2 or ``fsdp``)."""
 
     dp: int
     pp: int
@@ -127,10 +148,21 @@ class Candidate:
     recompute: str | None
     counts: tuple[int, ...]
     batch_size: int  # per data-parallel replica
+    zero: int = 0
+    fsdp: bool = False
 
     @property
     def microbatch_size(self) -> float:
         return self.batch_size / self.microbatches
+
+    @property
+    def sharding_label(self) -> str:
+        """``none``, ``zero=1``, ``zero=2`` or ``fsdp``."""
+        return "fsdp" if self.fsdp else (f"zero={self.zero}" if self.zero else "none")
+
+    def sharding(self, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB) -> Sharding:
+        """The candidate's :class:`~lightning_pp.planner.sharding.Sharding` over its ``dp``."""
+        return Sharding(zero=self.zero, fsdp=self.fsdp, dp=self.dp, bucket_cap_mb=bucket_cap_mb)
 
     @property
     def shape(self) -> str:
@@ -147,6 +179,8 @@ class Candidate:
             self.split,
             self.recompute or "",
             self.counts,
+            self.fsdp,
+            self.zero,
         )
 
     def strategy_settings(self) -> dict[str, object]:
@@ -158,13 +192,16 @@ class Candidate:
             "schedule": self.schedule,
             "partition": list(self.counts),
             "recompute": self.recompute,
+            "zero": self.zero,
+            "fsdp": self.fsdp,
         }
 
 
 @dataclass(frozen=True)
 class Prediction:
-    """A candidate's predicted step: seconds (simulated makespan + all-reduce), bubble (idle /
-    compute), memory of every pipeline rank, throughput."""
+    """A candidate's predicted step: seconds (simulated makespan + data-parallel
+    communication, ``allreduce_s``: the all-reduce, or a sharding's reduce-scatter and
+    all-gather), bubble (idle / compute), memory of every pipeline rank, throughput."""
 
     candidate: Candidate
     step_s: float
@@ -216,6 +253,53 @@ def allreduce_seconds(nbytes: float, dp: int, latency_s: float, bandwidth: float
     return 2 * (dp - 1) / dp * nbytes / bandwidth + 2 * (dp - 1) * latency_s
 
 
+def collective_seconds(nbytes: float, dp: int, latency_s: float, bandwidth: float) -> float:
+    """Ring reduce-scatter or all-gather of a ``nbytes`` buffer over ``dp`` replicas: each
+    sends and receives ``(dp-1)/dp`` of it in ``dp-1`` steps (half an all-reduce).
+
+    Example:
+        >>> collective_seconds(8e9, dp=4, latency_s=0.0, bandwidth=1e9)
+        6.0
+    """
+    if dp <= 1:
+        return 0.0
+    return (dp - 1) / dp * nbytes / bandwidth + (dp - 1) * latency_s
+
+
+def dp_comm_seconds(
+    grad_bytes: float,
+    param_bytes: float,
+    sharding: Sharding,
+    latency_s: float,
+    bandwidth: float,
+    *,
+    microbatches: int = 1,
+) -> float:
+    """The data-parallel communication of one step over ``sharding.dp`` replicas, for a rank
+    whose full gradients and parameters take ``grad_bytes`` and ``param_bytes``.
+
+    - none: one all-reduce of the gradients (:func:`allreduce_seconds`);
+    - ``zero=1``/``zero=2``: a reduce-scatter of the gradients (each replica gets its shard's
+      sum) and an all-gather of the updated parameters after the step: together the volume of
+      an all-reduce when parameters and gradients share a dtype;
+    - ``fsdp``: an all-gather of the parameters before each chunk's first forward and a
+      reduce-scatter of the gradients after its last backward (the step's update is local to
+      the shard, so nothing is gathered after it); with ``reshard_after_forward=True``, one
+      all-gather per forward and one per backward of every microbatch (``2 x microbatches``).
+
+    Example:
+        >>> z1 = dp_comm_seconds(8e9, 8e9, Sharding(zero=1, dp=4), 0.0, 1e9)
+        >>> z1 == allreduce_seconds(8e9, 4, 0.0, 1e9) == 12.0
+        True
+    """
+    dp = sharding.dp
+    if not (sharding.zero or sharding.fsdp):
+        return allreduce_seconds(grad_bytes, dp, latency_s, bandwidth)
+    gathers = 2 * microbatches if sharding.fsdp and sharding.reshard_after_forward else 1
+    reduce = collective_seconds(grad_bytes, dp, latency_s, bandwidth)
+    return reduce + gathers * collective_seconds(param_bytes, dp, latency_s, bandwidth)
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -234,10 +318,15 @@ def memory_of(
     recompute: str | None,
     optimizer: str = "adam",
     inflight: Sequence[Sequence[tuple[tuple[int, int], ...]]] | None = None,
+    *,
+    sharding: Sharding | None = None,
+    state_bytes: StateBytes | None = None,
 ) -> tuple[RankMemory, ...]:
     """Every pipeline rank's predicted memory (``layers`` at the candidate's microbatch size;
     ``inflight[r]``: :func:`~lightning_pp.planner.recompute.inflight_profile` of rank r, when
-    computed already)."""
+    computed already; ``sharding`` / ``state_bytes``: see
+    :func:`~lightning_pp.planner.memory.rank_memory`)."""
+    state_bytes = state_bytes or profile_state_bytes(layers, optimizer)
     return tuple(
         rank_memory(
             plan.schedule,
@@ -246,9 +335,29 @@ def memory_of(
             recompute=recompute,
             optimizer=optimizer,
             inflight=None if inflight is None else inflight[r],
+            sharding=sharding,
+            state_bytes=state_bytes,
         )
         for r, chunks in enumerate(_rank_chunks(plan, layers))
     )
+
+
+def memory_variants(
+    plan: PipelinePlan,
+    base: Sequence[RankMemory],
+    layers: Sequence[LayerCost],
+    shardings: Sequence[Sharding],
+    state_bytes: StateBytes,
+) -> list[tuple[RankMemory, ...]]:
+    """``base`` (every rank's memory, from :func:`memory_of`) under each of ``shardings``: the
+    activations and buffers stay, the training states are recomputed (cheap next to the
+    activation analysis, which is done once per shape)."""
+    chunks = _rank_chunks(plan, layers)
+    tensors = [[[c.params for c in chunk] for chunk in rank] for rank in chunks]
+    return [
+        tuple(with_states(m, rank_state_bytes(t, s, state_bytes)) for m, t in zip(base, tensors))
+        for s in shardings
+    ]
 
 
 def step_costs(
@@ -289,6 +398,69 @@ def step_costs(
     return Costs(overrides=overrides, latency=latency, recompute=extra)
 
 
+@dataclass(frozen=True)
+class _Timing:
+    """The pipeline part of a prediction, shared by every sharding of one shape."""
+
+    makespan: float
+    bubble: float
+    pipeline: float  # the makespan, or more under oversubscription
+
+
+def _pipeline_timing(
+    profile: ModelProfile,
+    candidate: Candidate,
+    plan: PipelinePlan,
+    layers: Sequence[LayerCost],
+    compiled: CompiledSchedule,
+    cores: int | None,
+) -> _Timing:
+    costs = step_costs(plan, layers, candidate.recompute, profile, compiled.split_backward)
+    makespan, busy = compiled.run(costs)
+    if profile.receive_s:
+        # a receive's cost is time blocked on it, not computing (the bubble counts it idle, and
+        # it leaves the core free for another process)
+        busy = [b - profile.receive_s * n for b, n in zip(busy, compiled.receives)]
+    compute = sum(busy)
+    bubble = (makespan * len(busy) - compute) / compute if compute > 0 else 0.0
+    pipeline = oversubscribed_seconds(makespan, busy, candidate.dp, cores)
+    return _Timing(makespan, bubble, pipeline)
+
+
+def _finish(
+    profile: ModelProfile,
+    candidate: Candidate,
+    timing: _Timing,
+    memory: tuple[RankMemory, ...],
+    state_bytes: StateBytes,
+) -> Prediction:
+    """The prediction from the pipeline's timing and the heaviest rank's communication."""
+    grads = max(m.grads for m in memory)  # every sharding holds the full gradients at the peak
+    params = max(m.state.numel * state_bytes.param if m.state else m.params for m in memory)
+    comm = dp_comm_seconds(
+        grads,
+        params,
+        candidate.sharding(),
+        profile.latency_s,
+        profile.bandwidth,
+        microbatches=candidate.microbatches,
+    )
+    step = timing.pipeline + comm
+    samples = candidate.batch_size * candidate.dp / step
+    tokens = samples * profile.tokens_per_sample if profile.tokens_per_sample else None
+    return Prediction(
+        candidate,
+        step,
+        timing.makespan,
+        comm,
+        timing.bubble,
+        memory,
+        samples,
+        tokens,
+        timing.pipeline - timing.makespan,
+    )
+
+
 def predict(
     profile: ModelProfile,
     candidate: Candidate,
@@ -299,31 +471,26 @@ def predict(
     compiled: CompiledSchedule | None = None,
     layers: Sequence[LayerCost] | None = None,
     cores: int | None = None,
+    state_bytes: StateBytes | None = None,
 ) -> Prediction:
     """Simulate one candidate (``plan``: its checked plan, layers split as ``counts``;
     ``compiled``: ``plan.schedule`` compiled, reused across candidates of one schedule;
-    ``cores``: the CPU cores the processes share, see :func:`oversubscribed_seconds`)."""
+    ``cores``: the CPU cores the processes share, see :func:`oversubscribed_seconds`;
+    ``state_bytes``: bytes per parameter of each training state, default as profiled)."""
     layers = profile.layers(candidate.microbatch_size) if layers is None else layers
+    state_bytes = state_bytes or profile_state_bytes(layers, optimizer)
     if memory is None:
-        memory = memory_of(plan, layers, candidate.recompute, optimizer)
+        memory = memory_of(
+            plan,
+            layers,
+            candidate.recompute,
+            optimizer,
+            sharding=candidate.sharding(),
+            state_bytes=state_bytes,
+        )
     compiled = compiled or CompiledSchedule(plan.schedule)
-    costs = step_costs(plan, layers, candidate.recompute, profile, compiled.split_backward)
-    makespan, busy = compiled.run(costs)
-    if profile.receive_s:
-        # a receive's cost is time blocked on it, not computing (the bubble counts it idle, and
-        # it leaves the core free for another process)
-        busy = [b - profile.receive_s * n for b, n in zip(busy, compiled.receives)]
-    compute = sum(busy)
-    bubble = (makespan * len(busy) - compute) / compute if compute > 0 else 0.0
-    grads = max(m.grads for m in memory)
-    ar = allreduce_seconds(grads, candidate.dp, profile.latency_s, profile.bandwidth)
-    pipeline = oversubscribed_seconds(makespan, busy, candidate.dp, cores)
-    step = pipeline + ar
-    samples = candidate.batch_size * candidate.dp / step
-    tokens = samples * profile.tokens_per_sample if profile.tokens_per_sample else None
-    return Prediction(
-        candidate, step, makespan, ar, bubble, memory, samples, tokens, pipeline - makespan
-    )
+    timing = _pipeline_timing(profile, candidate, plan, layers, compiled, cores)
+    return _finish(profile, candidate, timing, memory, state_bytes)
 
 
 def oversubscribed_seconds(
@@ -421,6 +588,12 @@ def _splits(
     return out
 
 
+def _shardings(dp: int, space: SearchSpace) -> list[Sharding]:
+    """The shardings tried for ``dp`` replicas (only none for one replica)."""
+    labels = [x for x in space.shardings if dp > 1] or ["none"]
+    return [Sharding.parse(x, dp=dp, bucket_cap_mb=space.bucket_cap_mb) for x in labels]
+
+
 def search(
     profile: ModelProfile,
     world: int,
@@ -430,11 +603,14 @@ def search(
     space: SearchSpace | None = None,
     optimizer: str = "adam",
     cores: int | None = None,
+    state_bytes: StateBytes | None = None,
 ) -> SearchResult:
     """Rank every valid candidate for ``world`` processes and a global batch of
     ``global_batch`` samples per optimizer step (``cores``: the CPU cores the processes share,
     when they are CPU processes: see :func:`oversubscribed_seconds`; ``None``: one device
-    each).
+    each; ``state_bytes``: bytes per parameter of each training state, e.g.
+    ``StateBytes.for_precision("bf16-true")``; default: the profile's dtype, no master
+    weight, ``optimizer``'s state).
 
     Raises:
         SearchError: no valid shape for ``world`` (naming why each ``pp`` failed and the nearest
@@ -463,36 +639,40 @@ def search(
             splits_of[shape] = _splits(layers, plan, space)
         compiled: CompiledSchedule | None = None  # compiled on first use: over-memory skip it
         inflight = [inflight_profile(plan.schedule, r) for r in range(plan.pp)]
+        states = state_bytes or profile_state_bytes(layers, optimizer)
+        shardings = _shardings(dp, space)
         for (split, counts), recompute in itertools.product(splits_of[shape], space.recomputes):
-            considered += 1
             laid = _with_counts(plan, counts, profile.num_layers)
-            cand = Candidate(
-                dp,
-                plan.pp,
-                plan.vpp,
-                plan.microbatches,
-                plan.schedule.name,
-                split,
-                recompute,
-                counts,
-                per,
-            )
-            memory = memory_of(laid, layers, recompute, optimizer, inflight)
-            if memory_per_device is not None and max(m.total for m in memory) > memory_per_device:
-                over.append(Prediction(cand, math.inf, math.inf, 0.0, math.nan, memory, 0.0, None))
-                continue
-            compiled = compiled or CompiledSchedule(plan.schedule)
-            fits.append(
-                predict(
-                    profile,
-                    cand,
-                    laid,
-                    optimizer=optimizer,
-                    memory=memory,
-                    compiled=compiled,
-                    cores=cores,
+            base = memory_of(laid, layers, recompute, optimizer, inflight, state_bytes=states)
+            timing: _Timing | None = None  # one simulation serves every sharding of the shape
+            for sharding, memory in zip(
+                shardings, memory_variants(laid, base, layers, shardings, states)
+            ):
+                considered += 1
+                cand = Candidate(
+                    dp,
+                    plan.pp,
+                    plan.vpp,
+                    plan.microbatches,
+                    plan.schedule.name,
+                    split,
+                    recompute,
+                    counts,
+                    per,
+                    zero=sharding.zero,
+                    fsdp=sharding.fsdp,
                 )
-            )
+                if memory_per_device is not None and max(m.total for m in memory) > (
+                    memory_per_device
+                ):
+                    over.append(
+                        Prediction(cand, math.inf, math.inf, 0.0, math.nan, memory, 0.0, None)
+                    )
+                    continue
+                if timing is None:
+                    compiled = compiled or CompiledSchedule(plan.schedule)
+                    timing = _pipeline_timing(profile, cand, laid, layers, compiled, cores)
+                fits.append(_finish(profile, cand, timing, memory, states))
     fits.sort(key=Prediction.sort_key)
     over.sort(key=lambda p: (p.peak_bytes, p.candidate.key()))
     result = SearchResult(
@@ -523,6 +703,8 @@ def make_candidate(
     schedule: str,
     split: str | Sequence[int] = "uniform",
     recompute: str | None = None,
+    zero: int = 0,
+    fsdp: bool = False,
 ) -> tuple[Candidate, PipelinePlan]:
     """One given shape as a candidate and its checked plan (the plan's rules judge it, as in
     :func:`search`); ``split``: ``"uniform"``, ``"cost"`` (balanced as the search balances)
@@ -556,8 +738,19 @@ def make_candidate(
         label, counts = "explicit", tuple(int(c) for c in split)
     plan = _with_counts(base, counts, profile.num_layers)
     cand = Candidate(
-        dp, pp, base.vpp, microbatches, base.schedule.name, label, recompute, counts, per
+        dp,
+        pp,
+        base.vpp,
+        microbatches,
+        base.schedule.name,
+        label,
+        recompute,
+        counts,
+        per,
+        zero=zero,
+        fsdp=fsdp,
     )
+    check_sharding(zero, fsdp, dp)  # the plan's rule: one sharding, and dp > 1 to shard over
     return cand, plan
 
 
@@ -568,19 +761,23 @@ def _with_counts(plan: PipelinePlan, counts: Sequence[int], num_layers: int) -> 
 
 
 def describe_shape(c: Candidate) -> str:
-    """``dp=2 x pp=2 x vpp=1, microbatches=4, schedule 1f1b, split cost (3 3), recompute none``"""
-    return (
+    """``dp=2 x pp=2 x vpp=1, microbatches=4, schedule 1f1b, split cost (3 3), recompute none``
+    (and ``, sharding zero=1`` for a sharded candidate)."""
+    text = (
         f"dp={c.dp} x pp={c.pp} x vpp={c.vpp}, microbatches={c.microbatches}, schedule "
         f"{c.schedule}, split {c.split} ({' '.join(map(str, c.counts))}), recompute "
         f"{c.recompute or 'none'}"
     )
+    return text if c.sharding_label == "none" else f"{text}, sharding {c.sharding_label}"
 
 
 def describe_memory(m: RankMemory) -> str:
-    """``1.20 MiB (1258291 bytes: params ..., buffers ...)``: one rank's peak by part."""
+    """``1.20 MiB (1258291 bytes: params ..., buffers ...)``: one rank's peak by part (master
+    weights only when there are any)."""
+    master = f", master weights {format_bytes(m.master)}" if m.master else ""
     return (
         f"{format_bytes(m.total)} ({m.total} bytes: params {format_bytes(m.params)}, grads "
-        f"{format_bytes(m.grads)}, optimizer {format_bytes(m.optimizer)}, activations "
+        f"{format_bytes(m.grads)}{master}, optimizer {format_bytes(m.optimizer)}, activations "
         f"{format_bytes(m.activations)}, buffers {format_bytes(m.buffers)})"
     )
 
