@@ -59,7 +59,6 @@ from ..layout.rank_layout import RankLayout
 from ..layout.recompute_spec import RecomputeSpec, Selective, check_recompute
 from ..layout.rules import (
     PreflightError,
-    check_reshard,
     check_schedule_vpp,
     check_settings,
     check_split_settings,
@@ -237,9 +236,7 @@ class PipelineStrategy(ProcessGroupStrategy):
         if pp is not None:
             self.plan = PipelinePlan.build(pp=pp, **self._settings())
         else:
-            outside = ("schedule", "reshard_after_forward")
-            check_settings(**{k: v for k, v in self._settings().items() if k not in outside})
-            check_reshard(self.reshard_after_forward, self.fsdp)
+            check_settings(**{k: v for k, v in self._settings().items() if k != "schedule"})
             check_schedule_vpp(self.schedule_name, vpp)  # known without the world size
 
         self.chunks: list[PipelineChunk] = []
