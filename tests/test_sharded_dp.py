@@ -35,9 +35,9 @@ RESHARD_TOL = 1e-6
 PP2 = {"pp": 2, "microbatches": 4, "accumulate": 1}
 ZERO = [
     {"name": "gpipe_z1", **PP2, "schedule": "gpipe", "zero": 1},
-    {"name": "1f1b_z1", **PP2, "zero": 1},
+    {"name": "1f1b_z1", **PP2, "zero": 1, "timeline": True},
     {"name": "zbh1_z1", **PP2, "schedule": "zb-h1", "zero": 1},
-    {"name": "zbv_z1", **PP2, "schedule": "zbv", "zero": 1},
+    {"name": "zbv_z1", **PP2, "schedule": "zbv", "zero": 1, "timeline": True},
     # pp2 x dp2 x vpp2, the tied embedding and head on different ranks, accumulation 2
     {"name": "il_z1_acc2", **PP2, "vpp": 2, "accumulate": 2, "zero": 1},
     # tiny buckets: several reduce-scatters per chunk; full-size gradients freed
@@ -50,9 +50,9 @@ ZERO = [
     # FSDP2 per chunk: every schedule; zbv's V placement puts the tied embedding and head in
     # two chunks of rank 0 (that weight stays whole, all-reduced); vpp2 ties across ranks
     {"name": "gpipe_fsdp", **PP2, "schedule": "gpipe", "fsdp": True},
-    {"name": "1f1b_fsdp", **PP2, "fsdp": True},
+    {"name": "1f1b_fsdp", **PP2, "fsdp": True, "timeline": True},
     {"name": "zbh1_fsdp", **PP2, "schedule": "zb-h1", "fsdp": True},
-    {"name": "zbv_fsdp", **PP2, "schedule": "zbv", "fsdp": True},
+    {"name": "zbv_fsdp", **PP2, "schedule": "zbv", "fsdp": True, "timeline": True},
     {"name": "il_fsdp_acc2", **PP2, "vpp": 2, "accumulate": 2, "fsdp": True},
     {"name": "1f1b_fsdp_reshard", **PP2, "fsdp": True, "reshard_after_forward": True},
     {"name": "zbv_fsdp_recompute", **PP2, "schedule": "zbv", "fsdp": True, "recompute": "full"},
@@ -82,9 +82,13 @@ def references(tmp_path_factory) -> dict[int, dict]:
     return {acc: run_reference(acc, str(base / f"acc{acc}")) for acc in (1, 2)}
 
 
+_OUT: dict[str, Path] = {}
+
+
 @pytest.fixture(scope="module")
 def zero_runs(tmp_path_factory) -> dict[str, list[dict]]:
     out = tmp_path_factory.mktemp("zero")
+    _OUT["zero"] = out
     argv = ["--out", str(out), "--configs", json.dumps(ZERO)]
     world("trainer", 4).run(script_main, "pp_run", argv, timeout=500)
     return _load(out, ZERO, 4)
@@ -251,6 +255,30 @@ def test_the_plans_prediction_is_within_2_percent_of_the_measured_bytes(zero_run
         for key, value in predicted.items():
             got = d["held"][key]
             assert abs(got - value) <= 0.02 * max(got, value), (name, d["rank"], key, got, value)
+
+
+@pytest.mark.parametrize("name", ["1f1b_z1", "zbv_z1", "1f1b_fsdp", "zbv_fsdp"])
+def test_the_timeline_shows_each_reduce_scatter_before_the_ranks_last_action(zero_runs, name):
+    """PipelineTimeline's trace of the last step (what a user opens in Perfetto): on every
+    rank's data-parallel track, one instant per bucket, each at or before the end of the rank's
+    last action, inside its chunk's last backward; under zbv the first chunk's before the last
+    action starts."""
+    trace = json.loads((_OUT["zero"] / f"timeline_{name}" / "timeline_step9.json").read_text())
+    events = trace["traceEvents"]
+    for rank in range(4):
+        actions = [e for e in events if e.get("pid") == rank and e["ph"] == "X" and e["tid"] == 0]
+        actions = [e for e in actions if e["name"] != "wait"]
+        reduces = [e for e in events if e.get("pid") == rank and e["ph"] == "i"]
+        assert len(reduces) == zero_runs[name][rank]["sync"][-1]["buckets"] > 0
+        last = max(actions, key=lambda e: e["ts"])
+        for r in reduces:
+            chunk = r["args"]["chunk"]
+            backs = [a for a in actions if a["args"]["chunk"] == chunk and a["name"][0] in "BW"]
+            final = max(backs, key=lambda a: a["ts"])
+            assert final["ts"] <= r["ts"] <= final["ts"] + final["dur"] + 1e-3
+            assert r["ts"] <= last["ts"] + last["dur"] + 1e-3
+        if name.startswith("zbv"):
+            assert min(r["ts"] for r in reduces) < last["ts"]
 
 
 def test_zero_2_keeps_only_the_gradient_rows(zero_runs):

@@ -284,6 +284,7 @@ def trace_events(
     records: Sequence[StepRecord],
     offsets: Sequence[float] | None = None,
     step: int | None = None,
+    launches: Sequence[Sequence[Sequence[Any]]] | None = None,
 ) -> dict:
     """Chrome / Perfetto trace-event JSON object for one step of any number of ranks.
 
@@ -293,6 +294,12 @@ def trace_events(
     with mb, chunk, stage, comm_wait_ms, stash/saved bytes, in-flight); a nested ``wait`` slice
     covers the part of an action blocked on receives (receives are waited for first). Open the
     file in https://ui.perfetto.dev or ``chrome://tracing``.
+
+    ``launches`` (per record, in the same order): the data-parallel gradient collectives the
+    rank started during the step, ``(chunk, bucket, values, time)`` each (the gradient sync's
+    ``events``), drawn as instants on a second track, ``data-parallel``, named like
+    ``dp reduce c1 b0`` (chunk 1, bucket 0); launches outside the step (an accumulation
+    micro-step shows the previous step's) are left out.
     """
     offs = clock_offsets(records, offsets)
     base = min((r.t0 - o for r, o in zip(records, offs)), default=0.0)
@@ -334,6 +341,27 @@ def trace_events(
                         "dur": round(e.comm_wait * 1e6, 3),
                     }
                 )
+    for i, (rec, off) in enumerate(zip(records, offs)):
+        if launches is None or i >= len(launches) or not launches[i]:
+            continue
+        end = rec.t1
+        name = {"pid": rec.rank, "tid": 1, "args": {"name": "data-parallel"}}
+        events.append({"ph": "M", "name": "thread_name", **name})
+        for chunk, bucket, values, t in launches[i]:
+            if not rec.t0 <= t <= end:
+                continue
+            events.append(
+                {
+                    "ph": "i",
+                    "s": "t",
+                    "name": f"dp reduce c{chunk} b{bucket}",
+                    "cat": "dp",
+                    "pid": rec.rank,
+                    "tid": 1,
+                    "ts": round((t - off - base) * 1e6, 3),
+                    "args": {"chunk": chunk, "bucket": bucket, "values": values},
+                }
+            )
     meta = {"step": step} if step is not None else {}
     if records:
         s = records[0].schedule

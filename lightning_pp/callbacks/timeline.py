@@ -12,6 +12,16 @@ from typing_extensions import override
 from ..schedules import render_gantt
 from .analysis import bubble_stats, measured_timeline, split_pipelines, trace_events
 from .base import PipelineCallback
+from .gather import register_extra, unregister_extra
+
+_LAUNCHES = "dp_launches"
+
+
+def _launches(trainer: pl.Trainer) -> list[tuple[int, int, int, float]]:
+    """This rank's data-parallel gradient collectives of the step: (chunk, bucket, values,
+    perf_counter time) of each launch its gradient sync recorded."""
+    events = getattr(getattr(trainer.strategy, "grad_sync", None), "events", None) or []
+    return [(e.chunk, e.bucket, e.numel, e.time) for e in events]
 
 
 class PipelineTimeline(PipelineCallback):
@@ -22,7 +32,9 @@ class PipelineTimeline(PipelineCallback):
     * ``timeline_step{S}.json``: trace-event JSON (open in https://ui.perfetto.dev or
       ``chrome://tracing``): one track per global rank, one slice per action (``F3``, ``B3`` or
       ``F3.1`` with the chunk), a nested ``wait`` slice for time blocked on receives, and the
-      microbatch, chunk, stage, wait and memory numbers as slice arguments;
+      microbatch, chunk, stage, wait and memory numbers as slice arguments; on a second track
+      per rank, ``data-parallel``, an instant where each gradient bucket's reduce-scatter (or
+      all-reduce) started (``dp reduce c1 b0``: chunk 1, bucket 0);
     * ``timeline_step{S}.png``: Gantt chart of the first pipeline (the schedules' renderer), with
       the measured and expected bubble in the title; also sent to TensorBoard
       (``add_image("pp/timeline", ...)``) when a TensorBoard logger is attached.
@@ -58,11 +70,16 @@ class PipelineTimeline(PipelineCallback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        register_extra(_LAUNCHES, lambda: _launches(trainer))
         # trainer.log_dir is a collective (a broadcast from rank 0): resolve it here, on every
         # rank; _write runs on rank 0 alone and would wait there forever for the others.
         if self.dirpath is None:
             root = trainer.log_dir or trainer.default_root_dir
             self._default_dir = Path(root) / "pipeline_timeline"
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        unregister_extra(_LAUNCHES)
 
     def _dir(self, trainer: pl.Trainer) -> Path:
         if self.dirpath is not None:
@@ -92,7 +109,9 @@ class PipelineTimeline(PipelineCallback):
         if self.trace:
             path = out / f"timeline_step{n}.json"
             tmp = path.with_suffix(".json.tmp")
-            tmp.write_text(json.dumps(trace_events(step.records, step.offsets, step=n)))
+            launches = [x.get(_LAUNCHES) for x in step.extras]
+            trace = trace_events(step.records, step.offsets, step=n, launches=launches)
+            tmp.write_text(json.dumps(trace))
             os.replace(tmp, path)
             self.written.append(path)
         if not self.png:

@@ -36,7 +36,7 @@ from pp_common import (  # noqa: E402
 )
 
 from lightning_pp import PipelineStrategy  # noqa: E402
-from lightning_pp.callbacks import ModelStateMemoryMonitor  # noqa: E402
+from lightning_pp.callbacks import ModelStateMemoryMonitor, PipelineTimeline  # noqa: E402
 from lightning_pp.models import GPT  # noqa: E402
 from lightning_pp.schedules import Op  # noqa: E402
 
@@ -176,12 +176,16 @@ def run(cfg: dict, devices: int, out: str) -> None:
     rec, probe = Recorder(), SyncProbe()
     # what each rank holds after the last step, measured from the tensors
     held = ModelStateMemoryMonitor(every_n_steps=STEPS)
+    extra = []
+    if cfg.get("timeline"):  # the last step's trace, with the data-parallel launches
+        where = os.path.join(out, f"timeline_{name}")
+        extra.append(PipelineTimeline(every_n_steps=STEPS, dirpath=where, png=False))
     trainer = make_trainer(
         strategy,
         devices,
         cfg["accumulate"],
         os.path.join(out, f"ckpt_{name}"),
-        [rec, probe, held],
+        [rec, probe, held, *extra],
         precision=cfg.get("precision", "32-true"),
         num_nodes=max(1, world // devices),
     )
