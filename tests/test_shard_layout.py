@@ -43,7 +43,7 @@ def test_each_rank_gets_torch_chunks_rows(dp):
 
 @pytest.mark.parametrize("dp", [2, 3, 4])
 def test_reduce_scatter_layout_sums_rows_and_gathers_back(dp):
-    """What ``reduce_scatter_tensor`` would give each rank (its block of the summed flat
+    """What ``reduce_scatter_single`` would give each rank (its block of the summed flat
     buffers) is its rows of the summed gradients; the blocks gathered rebuild every tensor."""
     params = _params()
     grads = [[torch.randn(p.shape) for p in params] for _ in range(dp)]

@@ -44,6 +44,23 @@ ZERO = [
     {"name": "1f1b_z2_tiny", **PP2, "zero": 2, "bucket_cap_mb": 0.01},
     {"name": "zbv_z2_acc2", **PP2, "schedule": "zbv", "accumulate": 2, "zero": 2},
     {"name": "il_z2_recompute", **PP2, "vpp": 2, "zero": 2, "recompute": "full"},
+    # the parameter all-gathers finish at the next forwards (small buckets: several of them)
+    {
+        "name": "il_z1_overlap",
+        **PP2,
+        "vpp": 2,
+        "zero": 1,
+        "overlap_param_gather": True,
+        "bucket_cap_mb": 0.01,
+    },
+    {
+        "name": "zbv_z2_overlap_acc2",
+        **PP2,
+        "schedule": "zbv",
+        "accumulate": 2,
+        "zero": 2,
+        "overlap_param_gather": True,
+    },
     {"name": "zbv_z1_bf16", **PP2, "schedule": "zbv", "zero": 1, "precision": "bf16-mixed"},
     # bf16 parameters: the optimizer steps fp32 master rows
     {"name": "1f1b_z1_bf16true", **PP2, "zero": 1, "precision": "bf16-true"},
@@ -134,6 +151,36 @@ def test_sharded_runs_match_the_single_process_trainer(zero_runs, references, cf
 def test_tied_copies_stay_bitwise_equal(zero_runs, cfg):
     digests = [v for d in zero_runs[cfg["name"]] for v in d["tied"].values()]
     assert len(digests) >= 2 and len(set(digests)) == 1
+
+
+def test_one_device_mesh_serves_the_strategy_the_module_and_every_group(zero_runs):
+    """strategy.device_mesh is a (pipeline_parallel, data_parallel) mesh, pp outermost, whose
+    coordinates are the topology's; the module's hooks read the same object as
+    self.device_mesh (Lightning's ModelParallelStrategy convention); the pp and dp groups are
+    the mesh's own."""
+    for cfg in ZERO:
+        for d in zero_runs[cfg["name"]]:
+            mesh = d["mesh"]
+            assert mesh["names"] == ["pipeline_parallel", "data_parallel"]
+            assert mesh["shape"] == [2, 2]
+            assert mesh["coordinate"] == [d["pp_rank"], d["dp_rank"]]
+            assert mesh["module_sees_it"] and mesh["pp_group"] and mesh["dp_group"]
+
+
+@pytest.mark.parametrize("name", ["il_z1_overlap", "zbv_z2_overlap_acc2"])
+def test_overlapped_parameter_gathers_run_past_the_optimizer_step(zero_runs, name):
+    """With overlap_param_gather the all-gathers are still in flight after the optimizer step
+    (each finished by the first forward that reads its bucket), except where a checkpoint was
+    saved in between (every 4th step here: the save completes them); the runs still equal the
+    single-process Trainer (test_sharded_runs_match_the_single_process_trainer)."""
+    cfg = next(c for c in ZERO if c["name"] == name)
+    for d in zero_runs[name]:
+        stepped = [s for i, s in enumerate(d["sync"]) if (i + 1) % cfg["accumulate"] == 0]
+        in_flight = [s["gathers_in_flight"] for s in stepped]
+        assert sum(1 for n in in_flight if n > 0) >= len(stepped) // 2, in_flight
+    for c in ZERO:  # without the setting, every gather is finished inside the step
+        if c.get("zero") and not c.get("overlap_param_gather"):
+            assert all(s["gathers_in_flight"] == 0 for d in zero_runs[c["name"]] for s in d["sync"])
 
 
 def test_the_comparison_catches_summed_gradients(zero_runs, references):

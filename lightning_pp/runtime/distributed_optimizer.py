@@ -76,6 +76,9 @@ class ShardedGradSync(DeferredGradSync):
             :meth:`wait`, so the caller must not all-reduce them again.
         mesh: the 1-D ``DeviceMesh`` of ``group``; checkpoints then save each rank's rows as a
             ``DTensor`` (``Shard(0)``) instead of gathering them.
+        overlap_param_gather: leave the parameter all-gathers running after the optimizer
+            step; each bucket is finished at the first forward that reads it
+            (:meth:`install_gather_hooks`) or by :meth:`finish_gather`.
     """
 
     def __init__(
@@ -88,6 +91,7 @@ class ShardedGradSync(DeferredGradSync):
         bucket_cap_mb: float = 25.0,
         tied: TiedParameterSync | None = None,
         mesh: Any = None,
+        overlap_param_gather: bool = False,
     ) -> None:
         if zero not in (1, 2):
             raise ValueError(f"ShardedGradSync needs zero=1 or 2, got {zero!r}")
@@ -124,6 +128,10 @@ class ShardedGradSync(DeferredGradSync):
                     self.main[id(m.param)] = main
                     self._member_of[id(main)] = (m, b.layout)
         self._pending_rs: list[tuple[Any, Tensor, _Bucket]] = []
+        self._gloo = dist.get_backend(group) == "gloo"
+        #: finish the parameter all-gathers at the next forwards instead of after the step
+        self.overlap_param_gather = overlap_param_gather
+        self._gathering: dict[int, tuple[Any, Tensor, _Bucket]] = {}
         self._original_params: dict[int, list[list[nn.Parameter]]] = {}
         self._members = {id(m.param): m for b in self.buckets for m in b.layout.members}
         self._sharded = set(self._members)
@@ -145,14 +153,22 @@ class ShardedGradSync(DeferredGradSync):
             if b.chunk != chunk:
                 continue
             members = b.layout.members
-            flat = b.layout.pack([m.param.grad for m in members])
-            self._release_grads(members)
-            # Pre-divide (as DDP does): the SUM over replicas is then the average. gloo's
+            # Pre-divided (as DDP does): the SUM over replicas is then the average. gloo's
             # reduce-scatter has no AVG, and FSDP2 on gloo is caught summing (pytorch#162338).
-            flat.div_(self.dp_size)
-            out = torch.empty(b.layout.shard_numel, dtype=flat.dtype, device=flat.device)
+            flat = b.layout.pack([m.param.grad for m in members], divide_by=self.dp_size)
+            self._release_grads(members)
             self.events.append(LaunchEvent(chunk, b.index, flat.numel(), time.perf_counter()))
-            handle = dist.reduce_scatter_tensor(out, flat, group=self.group, async_op=True)
+            if self._gloo:
+                # gloo's reduce-scatter is an all-reduce of a copy of its input, started on the
+                # calling thread (measured: 45-49 ms for 25 MB against 27-30 ms, blocking the
+                # pipeline 3-115 ms at its start; benchmarks/results/sharded.md). The
+                # all-reduce it runs, issued directly on the buffer, gives each rank the same
+                # rows, asynchronously; NCCL's reduce-scatter moves half the bytes and is used.
+                handle = dist.all_reduce(flat, group=self.group, async_op=True)
+                out = flat.view(self.dp_size, -1)[self.dp_rank]
+            else:
+                out = torch.empty(b.layout.shard_numel, dtype=flat.dtype, device=flat.device)
+                handle = dist.reduce_scatter_single(out, flat, group=self.group, async_op=True)
             self._pending_rs.append((handle, out, b))
 
     def _release_grads(self, members: Sequence[ShardMember]) -> None:
@@ -167,6 +183,7 @@ class ShardedGradSync(DeferredGradSync):
     def wait(self) -> None:
         """Finish every reduce-scatter; each main parameter's ``.grad`` is its rows' average
         over the replicas (tied copies: summed over the copies too)."""
+        self.finish_gather()  # a chunk without a forward this step still gets its rows
         if self.enabled:
             for c in range(len(self.chunk_buckets)):
                 self.on_chunk_grads_ready(c)
@@ -195,18 +212,34 @@ class ShardedGradSync(DeferredGradSync):
 
     # ---------------------------------------------------------------- parameters
     def gather_params(self) -> None:
-        """After the optimizer step: every replica's parameters get every rank's updated rows
-        (one all-gather per bucket, all started before the first is waited for)."""
-        pending = []
-        for b in self.buckets:
+        """After the optimizer step: every replica's parameters get every rank's updated rows,
+        one all-gather per bucket, started in the order the forwards use them (the chunks'
+        first layers first). Without ``overlap_param_gather`` they are finished here; with it,
+        each bucket is finished by the forward pre-hook of the first module that reads one of
+        its parameters (:meth:`finish_gather`, Megatron's overlapped parameter gather), so
+        the gathers run under the next step's forwards."""
+        order = sorted(self.buckets, key=lambda b: (b.chunk, b.index))  # parameters' order
+        for b in order:
             layout = b.layout
             pieces = [self.main.get(id(m.param)) for m in layout.members]
             local = layout.pack_local([None if p is None else p.detach() for p in pieces])
             flat = torch.empty(layout.numel, dtype=local.dtype, device=local.device)
-            work = dist.all_gather_into_tensor(flat, local, group=self.group, async_op=True)
-            pending.append((work, flat, b))
+            work = dist.all_gather_single(flat, local, group=self.group, async_op=True)
+            self._gathering[id(b)] = (work, flat, b)
+        if not self.overlap_param_gather:
+            self.finish_gather()
+
+    def finish_gather(self, buckets: Sequence[_Bucket] | None = None) -> None:
+        """Wait for the all-gathers of ``buckets`` (default: every one in flight) and write
+        the rows into the parameters. Anything that reads parameter values between an
+        optimizer step and the next forward must call it first (checkpoints do)."""
+        keys = list(self._gathering) if buckets is None else [id(b) for b in buckets]
         with torch.no_grad():
-            for work, flat, b in pending:
+            for key in keys:
+                got = self._gathering.pop(key, None)
+                if got is None:
+                    continue
+                work, flat, b = got
                 monitored_wait(
                     [work],
                     f"in the parameter all_gather after the optimizer step (chunk {b.chunk} "
@@ -215,6 +248,27 @@ class ShardedGradSync(DeferredGradSync):
                 )
                 for m in b.layout.members:
                     m.rows_view(m.param.data).copy_(b.layout.unpack_full(flat, m))
+
+    def install_gather_hooks(self, chunks: Sequence[nn.Module]) -> None:
+        """``overlap_param_gather``: a forward pre-hook on every module of ``chunks`` that
+        holds parameters finishes the gathers of its parameters' buckets before it runs."""
+        bucket_of = {id(m.param): b for b in self.buckets for m in b.layout.members}
+        for chunk in chunks:
+            for module in chunk.modules():
+                mine = {
+                    id(bucket_of[id(p)]): bucket_of[id(p)]
+                    for p in module.parameters(recurse=False)
+                    if id(p) in bucket_of
+                }
+                if mine:
+                    needed = list(mine.values())
+                    module.register_forward_pre_hook(
+                        lambda _m, _a, needed=needed: self._before_forward(needed)
+                    )
+
+    def _before_forward(self, needed: Sequence[_Bucket]) -> None:
+        if self._gathering:  # nothing in flight: one dict test per module forward
+            self.finish_gather(needed)
 
     def shard_optimizer(self, optimizer: Optimizer) -> None:
         """Swap every sharded parameter in ``optimizer``'s groups for this rank's rows (a
@@ -270,7 +324,7 @@ class ShardedGradSync(DeferredGradSync):
             layout = b.layout
             local = layout.pack_local([pieces.get(id(m.param)) for m in layout.members])
             flat = torch.empty(layout.numel, dtype=local.dtype, device=local.device)
-            work = dist.all_gather_into_tensor(flat, local, group=self.group, async_op=True)
+            work = dist.all_gather_single(flat, local, group=self.group, async_op=True)
             monitored_wait(
                 [work], "in the optimizer-state all_gather of a checkpoint save", _ranks(self.group)
             )

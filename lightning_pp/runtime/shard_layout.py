@@ -8,8 +8,8 @@ buffer is laid out rank by rank::
 
     [ rank 0: p0 rows 0..c0 | p1 rows 0..c1 | ... ][ rank 1: p0 rows c0..2c0 | ... ] ...
 
-each piece padded to its full ``c`` rows, so ``reduce_scatter_tensor`` over the bucket hands
-rank ``d`` exactly its rows of every parameter, contiguous, and ``all_gather_into_tensor``
+each piece padded to its full ``c`` rows, so ``reduce_scatter_single`` over the bucket hands
+rank ``d`` exactly its rows of every parameter, contiguous, and ``all_gather_single``
 brings the updated rows back. Because the pieces are the ``Shard(0)`` pieces, the optimizer state
 of a shard is a DTensor's local tensor: checkpoints store it by the parameter's own name and
 shape, for any later ``dp``. Padding: ``c * dp - rows`` rows per parameter (none when ``dp``
@@ -103,19 +103,32 @@ class BucketLayout:
             offset += chunk * row_numel
         return cls(tuple(members), dp, dp_rank, offset)
 
-    def pack(self, tensors: Sequence[Tensor | None]) -> Tensor:
+    def pack(self, tensors: Sequence[Tensor | None], divide_by: int = 1) -> Tensor:
         """The flat buffer of ``tensors`` (one per member, shaped as its parameter; ``None``:
-        zeros), laid out rank by rank, padding zeroed: the reduce-scatter's input."""
+        zeros) divided by ``divide_by``, laid out rank by rank, padding zeroed: the
+        reduce-scatter's input. Each rank's rows are written straight into their slot (one
+        pass over the data, the division included; only padding rows are zero-filled)."""
         ref = self.members[0].param
-        pieces = []
+        flat = torch.empty(self.numel, dtype=ref.dtype, device=ref.device)
+        blocks = flat.view(self.dp, self.shard_numel)
         for m, t in zip(self.members, tensors):
-            slots = torch.zeros(
-                m.chunk_rows * self.dp, m.row_numel, dtype=ref.dtype, device=ref.device
+            slots = blocks[:, m.offset : m.offset + m.slot_numel].view(
+                self.dp, m.chunk_rows, m.row_numel
             )
-            if t is not None:
-                slots[: m.rows].copy_(m.rows_view(t))
-            pieces.append(slots.view(self.dp, m.slot_numel))
-        return torch.cat(pieces, dim=1).reshape(-1)
+            if t is None:
+                slots.zero_()
+                continue
+            rows = m.rows_view(t)
+            for d in range(self.dp):
+                lo = min(d * m.chunk_rows, m.rows)
+                n = min(lo + m.chunk_rows, m.rows) - lo
+                if n and divide_by != 1:
+                    torch.div(rows[lo : lo + n], divide_by, out=slots[d, :n])
+                elif n:
+                    slots[d, :n].copy_(rows[lo : lo + n])
+                if n < m.chunk_rows:
+                    slots[d, n:].zero_()
+        return flat
 
     def pack_local(self, pieces: Sequence[Tensor | None]) -> Tensor:
         """This rank's block from its pieces (``local_shape`` each, ``None`` for an empty one):

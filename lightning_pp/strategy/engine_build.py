@@ -79,6 +79,7 @@ def build_grad_sync(
     zero: int = 0,
     tied: TiedParameterSync | None = None,
     fsdp_whole: Sequence[nn.Parameter] | None = None,
+    overlap_param_gather: bool = False,
 ) -> DeferredGradSync | FsdpGradSync:
     """The deferred data-parallel all-reduce of this rank's chunks' gradients (the engine fires
     a chunk's buckets after its last backward); with ``zero`` 1 or 2 the reduce-scatter of the
@@ -109,6 +110,7 @@ def build_grad_sync(
             bucket_cap_mb=bucket_cap_mb,
             tied=tied,
             mesh=mesh,
+            overlap_param_gather=overlap_param_gather,
         )
     return DeferredGradSync(
         [list(c.parameters()) for c in chunks],

@@ -159,6 +159,11 @@ class PipelineStrategy(ProcessGroupStrategy):
         reshard_after_forward: with ``fsdp``, free each chunk's gathered parameters after
             every forward (one all-gather per microbatch: for memory-bound runs); default
             ``False`` keeps them gathered for the whole step.
+        overlap_param_gather: with ``zero``, leave the all-gather of the updated parameters
+            running after the optimizer step; each bucket is finished by the first forward
+            that reads it (Megatron's ``overlap_param_gather``). Parameter values read between
+            the step and the next forward need :meth:`wait_for_parameters` first
+            (checkpoints, evaluation and teardown call it).
 
     Example::
 
@@ -196,6 +201,7 @@ class PipelineStrategy(ProcessGroupStrategy):
         zero: int = 0,
         fsdp: bool = False,
         reshard_after_forward: bool = False,
+        overlap_param_gather: bool = False,
     ) -> None:
         super().__init__(
             start_method=start_method,
@@ -216,6 +222,14 @@ class PipelineStrategy(ProcessGroupStrategy):
         self.bucket_cap_mb = bucket_cap_mb
         self.zero, self.fsdp = zero, fsdp
         self.reshard_after_forward = reshard_after_forward
+        if not isinstance(overlap_param_gather, bool) or (overlap_param_gather and not zero):
+            raise PreflightError(
+                f"overlap_param_gather={overlap_param_gather!r} overlaps the distributed "
+                f"optimizer's parameter all-gather with the next forwards: it needs zero=1 or "
+                f"zero=2 (zero={zero!r}) and a bool",
+                key="overlap_param_gather",
+            )
+        self.overlap_param_gather = overlap_param_gather
         self.watchdog_timeout = watchdog_timeout
         self.check_finite = check_finite
         self.recv_lookahead = recv_lookahead
@@ -455,10 +469,13 @@ class PipelineStrategy(ProcessGroupStrategy):
             zero=self.zero,
             tied=self.tied_sync,
             fsdp_whole=self._fsdp_whole if self.fsdp else None,
+            overlap_param_gather=self.overlap_param_gather,
         )
         if isinstance(self.grad_sync, ShardedGradSync):
             for optimizer in self.optimizers:  # each now steps this rank's rows
                 self.grad_sync.shard_optimizer(optimizer)
+            if self.overlap_param_gather:  # each module waits for its parameters' rows
+                self.grad_sync.install_gather_hooks(self.chunks)
         if self._fsdp_whole:
             unmix_foreach(self.optimizers, self._fsdp_whole)
         if self.split_pipeline is not None:
@@ -638,6 +655,7 @@ class PipelineStrategy(ProcessGroupStrategy):
                 "the strategy writes a sharded checkpoint directory itself, not via CheckpointIO"
             )
         topo, placement = self.layout.need_topology(), self.layout.need_placement()
+        self.wait_for_parameters()  # the dict holds the parameters themselves: complete them
         self.checkpoint_saver.save(
             checkpoint,
             self.broadcast(str(filepath)),
@@ -645,6 +663,14 @@ class PipelineStrategy(ProcessGroupStrategy):
             layout={**placement.layout(), "dp": topo.dp, "world_size": self.world_size},
             canonical=self._stored_names(),
         )
+
+    def wait_for_parameters(self) -> None:
+        """With ``overlap_param_gather``: finish the all-gathers of the updated parameters now
+        (they otherwise finish at the next forward that reads them). Call it before reading
+        parameter values between an optimizer step and the next forward (an EMA of the
+        weights, a custom metric); checkpoints, evaluation and teardown do it themselves."""
+        if isinstance(self.grad_sync, ShardedGradSync):
+            self.grad_sync.finish_gather()
 
     def wait_for_checkpoint(self) -> None:
         """Collective (every rank calls it): block until the checkpoint being written in the
@@ -711,6 +737,7 @@ class PipelineStrategy(ProcessGroupStrategy):
     def teardown(self) -> None:
         if not self._failed:  # after a failure the writer may wait on a lost peer: leave it
             self.wait_for_checkpoint()  # hidden (never complete), not block the exit on it
+            self.wait_for_parameters()  # the module leaves the fit complete
         self._failed = False
         # Give the Trainer back its own backward, summaries and precision plugin.
         trainer = compat.trainer_of(self.lightning_module)

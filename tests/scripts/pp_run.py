@@ -57,7 +57,7 @@ def _counting_all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=Fals
 
 
 dist.all_reduce = _counting_all_reduce
-_real_reduce_scatter = dist.reduce_scatter_tensor
+_real_reduce_scatter = dist.reduce_scatter_single
 _SYNC_MODULES = ("lightning_pp.runtime.grad_sync", "lightning_pp.runtime.distributed_optimizer")
 
 
@@ -67,7 +67,7 @@ def _counting_reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=None, as
     return _real_reduce_scatter(output, input, op=op, group=group, async_op=async_op)
 
 
-dist.reduce_scatter_tensor = _counting_reduce_scatter
+dist.reduce_scatter_single = _counting_reduce_scatter
 
 
 class SyncProbe(Callback):
@@ -99,6 +99,8 @@ class SyncProbe(Callback):
                 "call_numels": [c["numel"] for c in _CALLS if c["group"] is s.groups.dp_group],
                 "last_b": {str(k): v for k, v in last_b.items()},
                 "last_backward_start": max((e.start for e in backs), default=None),
+                # overlap_param_gather: all-gathers still running after the optimizer step
+                "gathers_in_flight": len(getattr(s.grad_sync, "_gathering", {})),
                 "last_action": max(
                     ({"start": e.start, "end": e.end} for e in record.events),
                     key=lambda x: x["end"],
@@ -114,24 +116,54 @@ def _plant_summed_reduce_scatter() -> None:
     gloo, pytorch#162338): its input is multiplied back by dp."""
     import lightning_pp.runtime.distributed_optimizer as zero_module
 
-    real = dist.reduce_scatter_tensor
+    real_rs, real_ar = dist.reduce_scatter_single, dist.all_reduce
 
     def summed(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
         input.mul_(dist.get_world_size(group))
-        return real(output, input, op=op, group=group, async_op=async_op)
+        return real_rs(output, input, op=op, group=group, async_op=async_op)
+
+    def summed_all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        # on gloo the reduction runs as an all-reduce of the packed bucket (the dp group's);
+        # the tied copies' sum (their own group) is left alone
+        if group is strategy_dp_group[0]:
+            tensor.mul_(dist.get_world_size(group))
+        return real_ar(tensor, op=op, group=group, async_op=async_op)
 
     planted = type("PlantedDist", (), {})()  # a namespace: the real module's names
     for name in dir(dist):
         if not name.startswith("__"):
             setattr(planted, name, getattr(dist, name))
-    planted.reduce_scatter_tensor = summed
+    planted.reduce_scatter_single = summed
+    planted.all_reduce = summed_all_reduce
     zero_module.dist = planted
+
+
+strategy_dp_group: list = [None]  # set once the strategy's groups exist (in setup)
+
+
+class _DpGroupProbe(Callback):
+    def setup(self, trainer, pl_module, stage) -> None:
+        strategy_dp_group[0] = trainer.strategy.groups.dp_group
 
 
 def _remove_plant() -> None:
     import lightning_pp.runtime.distributed_optimizer as zero_module
 
     zero_module.dist = dist  # the shared worlds run other cases in this process next
+
+
+def _mesh(strategy, model) -> dict:
+    """The job's DeviceMesh as the strategy and the module's hooks see it, and whether the
+    strategy's process groups are the mesh's."""
+    mesh, groups = strategy.device_mesh, strategy.groups
+    return {
+        "names": list(mesh.mesh_dim_names),
+        "shape": list(mesh.shape),
+        "coordinate": list(mesh.get_coordinate()),
+        "module_sees_it": model.device_mesh is mesh,
+        "pp_group": groups.pp_group is mesh.get_group("pipeline_parallel"),
+        "dp_group": groups.dp_group is mesh.get_group("data_parallel"),
+    }
 
 
 def _sharding(strategy) -> dict:
@@ -157,6 +189,7 @@ def run(cfg: dict, devices: int, out: str) -> None:
         zero=cfg.get("zero", 0),
         fsdp=cfg.get("fsdp", False),
         reshard_after_forward=cfg.get("reshard_after_forward", False),
+        overlap_param_gather=cfg.get("overlap_param_gather", False),
         recompute=cfg.get("recompute"),
     )
     if cfg.get("plant") == "no_average":
@@ -185,7 +218,7 @@ def run(cfg: dict, devices: int, out: str) -> None:
         devices,
         cfg["accumulate"],
         os.path.join(out, f"ckpt_{name}"),
-        [rec, probe, held, *extra],
+        [rec, probe, held, *extra, _DpGroupProbe()],
         precision=cfg.get("precision", "32-true"),
         num_nodes=max(1, world // devices),
     )
@@ -238,6 +271,7 @@ def run(cfg: dict, devices: int, out: str) -> None:
             "held": held.last[rank],
             "grad_norm": norms,
             "sharding": _sharding(strategy),
+            "mesh": _mesh(strategy, model),
         },
     )
     # every rank finished writing before the next configuration reuses the process group
