@@ -25,6 +25,7 @@ if TYPE_CHECKING:  # only for annotations: importing Lightning at module load is
 
 __all__ = [
     "agent_hosts_store",
+    "set_device_mesh",
     "call_zero_grad_hooks",
     "configure_optimizers_and_schedulers",
     "default_process_group_backend",
@@ -119,6 +120,17 @@ def trainer_of(module: pl.LightningModule | None) -> pl.Trainer | None:
     whether or not one is.
     """
     return None if module is None else module._trainer
+
+
+def set_device_mesh(module: pl.LightningModule, mesh: Any) -> None:
+    """Set what ``module.device_mesh`` returns: ``LightningModule._device_mesh`` (private
+    attribute, 2.6; Lightning's own ``ModelParallelStrategy.setup_environment`` sets it the same
+    way, there is no public setter).
+
+    Why: the model's hooks (``configure_model`` first) read the job's mesh as
+    ``self.device_mesh``, as they do under ``ModelParallelStrategy``.
+    """
+    module._device_mesh = mesh
 
 
 # ------------------------------------------------------------------------------- the strategy

@@ -26,7 +26,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "scripts"))
 
-from pp_common import run_reference  # noqa: E402
+from pp_common import load_runs, reference_runs  # noqa: E402
 from worlds import World, script_main, world  # noqa: E402
 
 REL_TOL = 1e-5
@@ -83,20 +83,9 @@ ZERO = [
 EXACT = [c for c in ZERO if "plant" not in c and "precision" not in c]
 
 
-def _load(out: Path, configs: list[dict], size: int) -> dict[str, list[dict]]:
-    return {
-        c["name"]: [
-            json.loads((out / f"{c['name']}.rank{r}.json").read_text()) for r in range(size)
-        ]
-        for c in configs
-    }
-
-
 @pytest.fixture(scope="module")
 def references(tmp_path_factory) -> dict[int, dict]:
-    torch.set_num_threads(1)
-    base = tmp_path_factory.mktemp("ref")
-    return {acc: run_reference(acc, str(base / f"acc{acc}")) for acc in (1, 2)}
+    return reference_runs(str(tmp_path_factory.mktemp("ref")))
 
 
 _OUT: dict[str, Path] = {}
@@ -108,7 +97,7 @@ def zero_runs(tmp_path_factory) -> dict[str, list[dict]]:
     _OUT["zero"] = out
     argv = ["--out", str(out), "--configs", json.dumps(ZERO)]
     world("trainer", 4).run(script_main, "pp_run", argv, timeout=500)
-    return _load(out, ZERO, 4)
+    return load_runs(out, ZERO, 4)
 
 
 def _rel(got: list[float], want: list[float]) -> list[float]:

@@ -30,7 +30,7 @@ sys.path.insert(0, str(SCRIPTS))
 
 import background  # noqa: E402
 from jobs import free_port, run_job  # noqa: E402
-from pp_common import MODEL_KW, run_reference  # noqa: E402
+from pp_common import MODEL_KW, load_runs, reference_runs  # noqa: E402
 from worlds import World, script_main, world  # noqa: E402
 
 REL_TOL = 1e-5
@@ -75,20 +75,9 @@ def _run(cmd: list[str], timeout: float, env: dict | None = None) -> str:
     return result.output
 
 
-def _load(out: Path, configs: list[dict], world: int) -> dict[str, list[dict]]:
-    return {
-        c["name"]: [
-            json.loads((out / f"{c['name']}.rank{r}.json").read_text()) for r in range(world)
-        ]
-        for c in configs
-    }
-
-
 @pytest.fixture(scope="module")
 def references(tmp_path_factory) -> dict[int, dict]:
-    torch.set_num_threads(1)
-    base = tmp_path_factory.mktemp("ref")
-    return {acc: run_reference(acc, str(base / f"acc{acc}")) for acc in (1, 2)}
+    return reference_runs(str(tmp_path_factory.mktemp("ref")))
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +86,7 @@ def four_proc(tmp_path_factory) -> dict[str, list[dict]]:
     out = tmp_path_factory.mktemp("four")
     argv = ["--out", str(out), "--configs", json.dumps(FOUR)]
     world("trainer", 4).run(script_main, "pp_run", argv, timeout=400)
-    return _load(out, FOUR, 4)
+    return load_runs(out, FOUR, 4)
 
 
 _LAUNCHER_OUT: dict[str, Path] = {}
@@ -132,7 +121,7 @@ def background_jobs(items, tmp_path_factory) -> dict:
 @pytest.fixture(scope="module")
 def launcher_proc() -> dict[str, list[dict]]:
     background.check("strategy_launcher")
-    return _load(_LAUNCHER_OUT["out"], LAUNCHER, 2)
+    return load_runs(_LAUNCHER_OUT["out"], LAUNCHER, 2)
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +130,7 @@ def two_proc(tmp_path_factory) -> dict[str, list[dict]]:
     out = tmp_path_factory.mktemp("two")
     argv = ["--out", str(out), "--configs", json.dumps(TWO)]
     world("trainer", 2).run(script_main, "pp_run", argv, timeout=300)
-    return _load(out, TWO, 2)
+    return load_runs(out, TWO, 2)
 
 
 def _rel_errors(got: list[float], want: list[float]) -> list[float]:

@@ -432,7 +432,7 @@ class PipelineStrategy(ProcessGroupStrategy):
         # As Lightning's ModelParallelStrategy does: the model's hooks (configure_model first)
         # read the job's mesh as ``self.device_mesh``.
         if self.lightning_module is not None:
-            self.lightning_module._device_mesh = self.device_mesh
+            compat.set_device_mesh(self.lightning_module, self.device_mesh)
 
     # ------------------------------------------------------------------ building the model
     @contextmanager

@@ -156,6 +156,24 @@ def run_reference(accumulate: int, ckpt_dir: str) -> dict[str, Any]:
     }
 
 
+def reference_runs(base: str) -> dict[int, dict[str, Any]]:
+    """:func:`run_reference` for accumulation 1 and 2 (the tests' two references), under
+    ``base``."""
+    torch.set_num_threads(1)
+    return {acc: run_reference(acc, os.path.join(base, f"acc{acc}")) for acc in (1, 2)}
+
+
+def load_runs(out: Any, configs: list[dict], size: int) -> dict[str, list[dict]]:
+    """What every rank of a ``pp_run`` world wrote, by configuration name (index = rank)."""
+    return {
+        c["name"]: [
+            json.loads(open(os.path.join(str(out), f"{c['name']}.rank{r}.json")).read())
+            for r in range(size)
+        ]
+        for c in configs
+    }
+
+
 def tensor_digest(t: torch.Tensor) -> str:
     raw = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)  # any dtype, bf16 too
     return hashlib.sha256(raw.numpy().tobytes()).hexdigest()
