@@ -117,24 +117,18 @@ class ShardedGradSync(DeferredGradSync):
             for i, (params, tied_group) in enumerate(regrouped):
                 layout = BucketLayout.build(params, dp_size, dp_rank)
                 self.buckets.append(_Bucket(c, i, layout, tied_group))
+        #: each sharded parameter's layout entry, by ``id(param)``
+        self._members = {id(m.param): m for b in self.buckets for m in b.layout.members}
         #: this rank's rows of each parameter it shards: what the optimizer steps
-        self.main: dict[int, nn.Parameter] = {}
-        #: the same, by main parameter: (member, layout) it stands for
-        self._member_of: dict[int, tuple[ShardMember, BucketLayout]] = {}
-        for b in self.buckets:
-            for m in b.layout.members:
-                if m.local_numel:
-                    main = _main_parameter(m)
-                    self.main[id(m.param)] = main
-                    self._member_of[id(main)] = (m, b.layout)
+        self.main: dict[int, nn.Parameter] = {
+            i: _main_parameter(m) for i, m in self._members.items() if m.local_numel
+        }
         self._pending_rs: list[tuple[Any, Tensor, _Bucket]] = []
         self._gloo = dist.get_backend(group) == "gloo"
         #: finish the parameter all-gathers at the next forwards instead of after the step
         self.overlap_param_gather = overlap_param_gather
         self._gathering: dict[int, tuple[Any, Tensor, _Bucket]] = {}
         self._original_params: dict[int, list[list[nn.Parameter]]] = {}
-        self._members = {id(m.param): m for b in self.buckets for m in b.layout.members}
-        self._sharded = set(self._members)
 
     @property
     def num_buckets(self) -> int:
@@ -219,15 +213,18 @@ class ShardedGradSync(DeferredGradSync):
         its parameters (:meth:`finish_gather`, Megatron's overlapped parameter gather), so
         the gathers run under the next step's forwards."""
         order = sorted(self.buckets, key=lambda b: (b.chunk, b.index))  # parameters' order
+        rows = {i: p.detach() for i, p in self.main.items()}
         for b in order:
-            layout = b.layout
-            pieces = [self.main.get(id(m.param)) for m in layout.members]
-            local = layout.pack_local([None if p is None else p.detach() for p in pieces])
-            flat = torch.empty(layout.numel, dtype=local.dtype, device=local.device)
-            work = dist.all_gather_single(flat, local, group=self.group, async_op=True)
-            self._gathering[id(b)] = (work, flat, b)
+            self._gathering[id(b)] = (*self._start_gather(b.layout, rows), b)
         if not self.overlap_param_gather:
             self.finish_gather()
+
+    def _start_gather(self, layout: BucketLayout, rows: dict[int, Tensor]) -> tuple[Any, Tensor]:
+        """Start the all-gather of one bucket from this rank's ``rows`` (``id(param) ->
+        rows``; absent: none here); returns the work and the flat buffer it fills."""
+        local = layout.pack_local([rows.get(id(m.param)) for m in layout.members])
+        flat = torch.empty(layout.numel, dtype=local.dtype, device=local.device)
+        return dist.all_gather_single(flat, local, group=self.group, async_op=True), flat
 
     def finish_gather(self, buckets: Sequence[_Bucket] | None = None) -> None:
         """Wait for the all-gathers of ``buckets`` (default: every one in flight) and write
@@ -299,7 +296,7 @@ class ShardedGradSync(DeferredGradSync):
             for p in group["params"]:
                 if id(p) in self.main:
                     swapped.append(self.main[id(p)])
-                elif id(p) not in self._sharded:
+                elif id(p) not in self._members:
                     swapped.append(p)  # not synchronised here (frozen): stepped as it is
             group["params"] = swapped
         optimizer.register_step_post_hook(lambda *_: self.gather_params())
@@ -322,9 +319,7 @@ class ShardedGradSync(DeferredGradSync):
         full: dict[int, Tensor] = {}
         for b in self.buckets:
             layout = b.layout
-            local = layout.pack_local([pieces.get(id(m.param)) for m in layout.members])
-            flat = torch.empty(layout.numel, dtype=local.dtype, device=local.device)
-            work = dist.all_gather_single(flat, local, group=self.group, async_op=True)
+            work, flat = self._start_gather(layout, pieces)
             monitored_wait(
                 [work], "in the optimizer-state all_gather of a checkpoint save", _ranks(self.group)
             )
@@ -356,15 +351,6 @@ class ShardedGradSync(DeferredGradSync):
         """ids of main parameters a global norm must not count: rows of tied copies not held
         by the tied weight's owner (the owner's rows are the same rows)."""
         return {id(self.main[i]) for i in tied.non_owner_params() if i in self.main}
-
-    def state_bytes(self, optimizer: Optimizer) -> int:
-        """Bytes of ``optimizer``'s state tensors (measured from the tensors)."""
-        return sum(
-            t.numel() * t.element_size()
-            for state in optimizer.state.values()
-            for t in state.values()
-            if isinstance(t, Tensor) and t.dim() > 0
-        )
 
 
 def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
@@ -434,7 +420,7 @@ class UnshardedOptimizerView:
         shared = next((others[i] for i in sync.main if i in others), {})
         state: dict[int, dict[str, Any]] = {}
         for i, p in enumerate(self._positions()):
-            if id(p) in sync._sharded and full:
+            if id(p) in sync._members and full:
                 state[i] = {**others.get(id(p), shared), **{k: f[id(p)] for k, f in full.items()}}
             elif id(p) in others:
                 state[i] = others[id(p)]
@@ -465,7 +451,7 @@ class UnshardedOptimizerView:
             if main is None:
                 state[mine[id(p)]] = entry
                 continue
-            member = sync._member_of[id(main)][0]
+            member = sync._members[id(p)]
             state[mine[id(main)]] = {
                 k: member.local_piece(v).clone()
                 if isinstance(v, Tensor) and v.shape == p.shape
