@@ -97,6 +97,7 @@ from torch import nn
 
 from benchmarks.harness import launch, machine_info, timed_step
 from benchmarks.workloads import Workload
+from lightning_pp.runtime.dtensor_state import local_part
 
 PP, DP = 2, 2
 WORLD = PP * DP
@@ -206,16 +207,6 @@ def reference(w: Workload, m: int) -> dict[str, float]:
 # --------------------------------------------------------------------------------------------
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard; a plain tensor as it is."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(t, DTensor):
-        with torch.no_grad():
-            return t.to_local()
-    return t
-
-
 def _nbytes(tensors: list[torch.Tensor | None]) -> int:
     """Bytes of ``tensors`` (local shards), each (data pointer, size) counted once."""
     seen: set[tuple[int, int]] = set()
@@ -223,7 +214,7 @@ def _nbytes(tensors: list[torch.Tensor | None]) -> int:
     for t in tensors:
         if t is None:
             continue
-        t = _local(t)
+        t = local_part(t)
         key = (t.data_ptr(), t.numel())
         if key not in seen and t.numel():
             seen.add(key)
@@ -332,7 +323,7 @@ def build_ours(
         runner.grads = lambda: [p.grad for p in params] + [p.grad for p in main]
     elif v.sharding == "fsdp":
         runner.grad_sq = lambda: sum(
-            float(_local(p.grad).double().pow(2).sum()) for p in params if p.grad is not None
+            float(local_part(p.grad).double().pow(2).sum()) for p in params if p.grad is not None
         )
         runner.grads = lambda: [p.grad for p in params]
     else:
@@ -426,7 +417,7 @@ def build_torch(
     opt = torch.optim.AdamW(params, lr=LR, eps=EPS)
     runner = Runner(v, None, params, opt, None, None)  # type: ignore[arg-type]
     runner.grad_sq = lambda: sum(
-        float(_local(p.grad).double().pow(2).sum()) for p in params if p.grad is not None
+        float(local_part(p.grad).double().pow(2).sum()) for p in params if p.grad is not None
     )
     runner.grads = lambda: [p.grad for p in params]
     runner.collectives = sum(

@@ -18,10 +18,21 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-__all__ = ["DTensorOptimizer", "like", "module_state_like"]
+__all__ = ["DTensorOptimizer", "like", "local_part", "module_state_like"]
+
+
+def local_part(t: Tensor) -> Tensor:
+    """A ``DTensor``'s local shard (what this rank holds and allocates), else ``t`` itself;
+    outside autograd, so the shard can be read and written in place."""
+    to_local = getattr(t, "to_local", None)
+    if not callable(to_local):
+        return t
+    with torch.no_grad():
+        return to_local()
 
 
 def like(current: Any, value: Any) -> Any:

@@ -78,8 +78,9 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 from torch.distributed.tensor import DTensor
 
 from ..schedules import Schedule
+from .dtensor_state import local_part
 from .failure import monitored_wait
-from .grad_sync import LaunchEvent
+from .grad_sync import LaunchEvent, local_grad_square_sum
 
 __all__ = [
     "FsdpGradSync",
@@ -295,16 +296,9 @@ def local_param_bytes(modules: Iterable[nn.Module]) -> int:
         for p in m.parameters():
             if id(p) not in seen:
                 seen.add(id(p))
-                t = _local(p)
+                t = local_part(p)
                 total += t.numel() * t.element_size()
     return total
-
-
-def _local(t: Tensor) -> Tensor:
-    if isinstance(t, DTensor):
-        with torch.no_grad():
-            return t.to_local()
-    return t
 
 
 # -- the private contacts with FSDP2 (torch 2.13): these three functions and the ReduceScatter
@@ -606,10 +600,4 @@ def sharded_grad_norm_sq(params: Iterable[nn.Parameter], skip: set[int] | None =
         dist.all_reduce(sq)                 # over every rank of pp x dp
         clip_coef = (max_norm / (sq.sqrt() + 1e-6)).clamp(max=1.0)
     """
-    total = torch.zeros((), dtype=torch.float32)
-    for p in params:
-        if p.grad is None or (skip and id(p) in skip):
-            continue
-        g = _local(p.grad)
-        total = total.to(g.device) + g.detach().float().pow(2).sum()
-    return total
+    return local_grad_square_sum(list(params), skip)

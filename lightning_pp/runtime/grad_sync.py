@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from .dtensor_state import local_part
 from .failure import monitored_wait
 
 __all__ = [
@@ -33,6 +34,7 @@ __all__ = [
     "TiedGroup",
     "TiedParameterSync",
     "global_grad_norm",
+    "local_grad_square_sum",
     "tied_parameter_sync",
 ]
 
@@ -221,8 +223,7 @@ class TiedParameterSync:
                 g.param.grad = torch.zeros_like(g.param)
             # An FSDP2 copy's gradient is a DTensor: every copy is cut into the same shards
             # over its replicas, so summing the local shards sums the copies.
-            grad = g.param.grad
-            local = grad.to_local() if hasattr(grad, "to_local") else grad
+            local = local_part(g.param.grad)
             work = dist.all_reduce(local, op=dist.ReduceOp.SUM, group=g.group, async_op=True)
             monitored_wait([work], f"in the tied-gradient all_reduce of {g.names[0]}", g.ranks)
 
@@ -266,6 +267,18 @@ def tied_parameter_sync(
     return TiedParameterSync(tied)
 
 
+def local_grad_square_sum(params: Sequence[nn.Parameter], skip: set[int] | None = None) -> Tensor:
+    """This rank's sum of squared gradients (fp32), skipping ``skip``; a ``DTensor`` gradient
+    counts its local shard (:func:`~.dtensor_state.local_part`)."""
+    skip = skip or set()
+    grads = [local_part(p.grad) for p in params if p.grad is not None and id(p) not in skip]
+    device = grads[0].device if grads else (params[0].device if params else torch.device("cpu"))
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for g in grads:
+        total += g.detach().float().pow(2).sum()
+    return total
+
+
 def global_grad_norm(
     params: Sequence[nn.Parameter],
     group: Any,
@@ -279,12 +292,7 @@ def global_grad_norm(
     replicas of a stage hold equal gradients after the data-parallel sync, so they are not
     summed again).
     """
-    skip = skip or set()
-    grads = [p.grad for p in params if p.grad is not None and id(p) not in skip]
-    device = grads[0].device if grads else (params[0].device if params else torch.device("cpu"))
-    total = torch.zeros((), dtype=torch.float32, device=device)
-    for g in grads:
-        total += g.detach().float().pow(2).sum()
+    total = local_grad_square_sum(params, skip)
     if reduce is not None:
         reduce(total, group)
     elif group is not None and dist.is_initialized():

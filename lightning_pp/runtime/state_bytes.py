@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from .dtensor_state import local_part
+
 __all__ = ["StateBytes", "state_bytes"]
 
 
@@ -40,12 +42,6 @@ class StateBytes:
         return self.params + self.grads + self.master + self.optimizer
 
 
-def _local(t: Tensor) -> Tensor:
-    """A DTensor's local shard (what this rank allocates), else the tensor."""
-    to_local = getattr(t, "to_local", None)
-    return to_local() if callable(to_local) else t
-
-
 def _key(t: Tensor) -> tuple[int, int, int]:
     return (t.untyped_storage().data_ptr(), t.storage_offset(), t.numel())
 
@@ -53,7 +49,7 @@ def _key(t: Tensor) -> tuple[int, int, int]:
 def _bytes(tensors: Iterable[Tensor], seen: set[tuple[int, int, int]]) -> int:
     total = 0
     for t in tensors:
-        t = _local(t)
+        t = local_part(t)
         if t.numel() == 0 or _key(t) in seen:
             continue
         seen.add(_key(t))
@@ -69,9 +65,9 @@ def state_bytes(params: Sequence[nn.Parameter], optimizers: Sequence[Optimizer])
     more dims (a step count is a scalar)."""
     seen: set[tuple[int, int, int]] = set()
     param_bytes = _bytes(params, seen)
-    storages = {_local(p).untyped_storage().data_ptr() for p in params}
+    storages = {local_part(p).untyped_storage().data_ptr() for p in params}
     opt_params = [p for o in optimizers for g in o.param_groups for p in g["params"]]
-    masters = [p for p in opt_params if _local(p).untyped_storage().data_ptr() not in storages]
+    masters = [p for p in opt_params if local_part(p).untyped_storage().data_ptr() not in storages]
     master_bytes = _bytes(masters, seen)
     grad_seen: set[tuple[int, int, int]] = set()
     grads = [p.grad for p in [*params, *opt_params] if p.grad is not None]

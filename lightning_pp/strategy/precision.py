@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from ..runtime.failure import monitored_wait
+from ..runtime.dtensor_state import local_part
 from ..runtime.grad_sync import global_grad_norm
 
 __all__ = [
@@ -51,7 +51,8 @@ def clip_by_global_norm(
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     for p in params:
         if p.grad is not None:
-            p.grad.detach().mul_(coef.to(p.grad.device))
+            grad = local_part(p.grad)  # a DTensor gradient: its shard
+            grad.detach().mul_(coef.to(grad.device))
     return norm
 
 
@@ -70,25 +71,8 @@ def clip_sharded_by_global_norm(
     on their owner."""
     import torch.distributed as dist
 
-    skip, replicated = skip or set(), replicated or set()
-    grads = []
-    total = torch.zeros((), dtype=torch.float32)
-    for p in params:
-        if p.grad is None:
-            continue
-        g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-        grads.append(g)
-        if id(p) in skip or (id(p) in replicated and dp_rank != 0):
-            continue
-        total = total.to(g.device) + g.detach().float().pow(2).sum()
-    if dist.is_initialized():
-        work = dist.all_reduce(total, op=dist.ReduceOp.SUM, async_op=True)
-        monitored_wait([work], "in the global gradient-norm all_reduce (sharded gradients)")
-    norm = total.sqrt()
-    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    for g in grads:
-        g.detach().mul_(coef.to(g.device))
-    return norm
+    counted_elsewhere = set(skip or ()) | (set(replicated or ()) if dp_rank != 0 else set())
+    return clip_by_global_norm(params, max_norm, dist.group.WORLD, skip=counted_elsewhere)
 
 
 class GlobalNormClipping(Precision):

@@ -38,6 +38,7 @@ from pp_common import (  # noqa: E402
 from lightning_pp import PipelineStrategy  # noqa: E402
 from lightning_pp.callbacks import ModelStateMemoryMonitor, PipelineTimeline  # noqa: E402
 from lightning_pp.models import GPT  # noqa: E402
+from lightning_pp.runtime.dtensor_state import local_part  # noqa: E402
 from lightning_pp.schedules import Op  # noqa: E402
 
 # Count every asynchronous all-reduce; the probe keeps the data-parallel gradient buckets (issued
@@ -233,7 +234,7 @@ def run(cfg: dict, devices: int, out: str) -> None:
     local_layers = layers.built_indices
     params = list(model.parameters())
     # what this rank allocates: a DTensor's (fsdp=True) local shard
-    local = [p.to_local() if hasattr(p, "to_local") else p for p in params]
+    local = [local_part(p) for p in params]
     storages = {t.untyped_storage().data_ptr() for t in [*local, *model.buffers()]}
     tied = {}
     for group in layers.tied:
