@@ -1,7 +1,13 @@
 """Fine-tune a Hugging Face causal LM under PipelineStrategy, with zero edits to the model class.
 
 The LightningModule below is what you would write for a plain Trainer: it builds the model in
-``configure_model`` and its ``training_step`` is ``self.model(input_ids=x, labels=x).loss``.
+``configure_model`` and its ``training_step`` is
+``self.model(input_ids=ids, attention_mask=mask, labels=labels).loss``. The batches are
+fine-tuning batches: examples of different lengths, right-padded (attention mask 0), the prompt
+and the padding masked out of the loss (label -100). The model's loss is a mean over the valid
+labels; the strategy finds them in the model call and weights each microbatch and replica by its
+count, so the pipelined loss equals a plain Trainer's on the same global batch
+(docs/strategy.md, "Loss normalization").
 The only pipeline-specific line is ``PipelineStrategy(split="model.model.layers")``: where the
 repeated decoder layers are (the embedding goes to the first stage, the final norm and head to
 the last). Each rank builds only its own stages.
@@ -29,6 +35,39 @@ import torch
 from lightning_pp import PipelineStrategy
 from lightning_pp.models.data import StdlibCharDataModule
 
+PAD, IGNORE = 0, -100
+
+
+class SFTStdlibDataModule(StdlibCharDataModule):
+    """The standard library's source cut into fine-tuning examples: each block becomes a
+    prompt (its first characters) and an answer, of a length between a quarter of the block and
+    all of it, right-padded; ``(input_ids, attention_mask, labels)`` with label -100 on the
+    prompt and the padding. Lengths and prompts follow from each block's characters, so every
+    run (and every data-parallel layout) sees the same batches."""
+
+    @staticmethod
+    def collate(samples: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, ...]:
+        ids = torch.stack([x for x, _ in samples])
+        block = ids.shape[1]
+        key = ids.sum(1)
+        length = block // 4 + key % (block - block // 4 + 1)
+        prompt = 1 + ids[:, 0] % (length // 2)
+        pos = torch.arange(block)[None, :]
+        mask = (pos < length[:, None]).long()
+        ids = ids.masked_fill(mask == 0, PAD)
+        labels = ids.masked_fill((mask == 0) | (pos < prompt[:, None]), IGNORE)
+        return ids, mask, labels
+
+    def train_dataloader(self) -> Any:
+        loader = super().train_dataloader()
+        loader.collate_fn = self.collate  # set before the first iteration: used by its workers
+        return loader
+
+    def val_dataloader(self) -> Any:
+        loader = super().val_dataloader()
+        loader.collate_fn = self.collate
+        return loader
+
 
 class HFCausalLM(L.LightningModule):
     """Any ``transformers`` causal LM, built from a config; nothing pipeline-specific.
@@ -53,15 +92,20 @@ class HFCausalLM(L.LightningModule):
         cfg = AutoConfig.for_model(self.hparams.model_type, **(self.hparams.config or {}))
         self.model = AutoModelForCausalLM.from_config(cfg)
 
+    def _loss(self, batch: Any) -> torch.Tensor:
+        if len(batch) == 2:  # plain language modelling: (x, y) blocks
+            x, _ = batch
+            return self.model(input_ids=x, labels=x).loss  # the model shifts the labels itself
+        ids, mask, labels = batch  # fine-tuning: padded, prompt masked
+        return self.model(input_ids=ids, attention_mask=mask, labels=labels).loss
+
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, _ = batch  # the model shifts the labels itself
-        loss = self.model(input_ids=x, labels=x).loss
+        loss = self._loss(batch)
         self.log("train_loss", loss, prog_bar=True, sync_dist=True)
         return loss
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
-        x, _ = batch
-        self.log("val_loss", self.model(input_ids=x, labels=x).loss, sync_dist=True)
+        self.log("val_loss", self._loss(batch), sync_dist=True)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=0.1)
@@ -107,7 +151,7 @@ def main() -> None:
         logger=False,
         enable_checkpointing=False,
     )
-    data = StdlibCharDataModule(block_size=64, batch_size=16, max_chars=500_000)
+    data = SFTStdlibDataModule(block_size=64, batch_size=16, max_chars=500_000)
     start = time.perf_counter()
     trainer.fit(HFCausalLM("llama", LLAMA), data)
     if trainer.is_global_zero:

@@ -32,9 +32,10 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-__all__ = ["Phantom", "PhantomValueError", "origins_of"]
+__all__ = ["LenientMeta", "Phantom", "PhantomValueError", "meta_call", "origins_of"]
 
 aten = torch.ops.aten
 
@@ -102,7 +103,7 @@ class Phantom(Tensor):
             return x
 
         try:
-            out = func(*tree_map(to_meta, args), **tree_map(to_meta, kwargs))
+            out = meta_call(func, tree_map(to_meta, args), tree_map(to_meta, kwargs))
         except (NotImplementedError, RuntimeError) as e:
             raise PhantomValueError(
                 f"`{func.__name__}` on an output of `{origin}` (which runs on another pipeline "
@@ -121,6 +122,64 @@ class Phantom(Tensor):
             lambda t: cls(t, device, origin) if isinstance(t, Tensor) else t,
             out,
         )
+
+
+def _floating(x: Any) -> bool:
+    return isinstance(x, Tensor) and x.is_floating_point() and x.dtype != torch.bfloat16
+
+
+def meta_call(func: Any, args: Any, kwargs: Any) -> Any:
+    """``func(*args, **kwargs)`` on meta tensors, tolerating meta kernels stricter than the CPU
+    kernels about dtypes.
+
+    Some meta kernels mirror the CUDA kernel's checks rather than the CPU kernel's: torch's
+    ``_grouped_mm`` meta kernel (the Hugging Face mixture-of-experts ``grouped_mm`` path) accepts
+    bfloat16 only, while the CPU kernel computes in float32. A meta computation has no values,
+    so when such a kernel refuses a float32/float16 input, the call is repeated with the
+    floating inputs cast to bfloat16 and the floating outputs cast back to the inputs' dtype:
+    only the shapes matter here, and those do not depend on the dtype.
+
+    Example:
+        >>> a = torch.empty(6, 8, device="meta")
+        >>> b = torch.empty(2, 8, 8, device="meta")
+        >>> offs = torch.empty(2, dtype=torch.int32, device="meta")
+        >>> meta_call(torch.ops.aten._grouped_mm.default, (a, b), {"offs": offs}).dtype
+        torch.float32
+    """
+    try:
+        return func(*args, **kwargs)
+    except RuntimeError:
+        floats = [t for t in tree_flatten((args, kwargs))[0] if _floating(t) and t.is_meta]
+        if not floats:
+            raise
+        dtype = floats[0].dtype
+
+        def down(x: Any) -> Any:
+            return x.to(torch.bfloat16) if _floating(x) and x.is_meta else x
+
+        out = func(*tree_map(down, args), **tree_map(down, kwargs))  # a second refusal raises
+        return tree_map(
+            lambda t: t.to(dtype) if isinstance(t, Tensor) and t.dtype == torch.bfloat16 else t,
+            out,
+        )
+
+
+class LenientMeta(TorchDispatchMode):
+    """Run a module on meta tensors with every op through :func:`meta_call` (the meta twin of
+    a block of another stage, whose output structure a stage needs; see
+    :mod:`lightning_pp.autosplit.split`).
+
+    Example:
+        >>> with LenientMeta():
+        ...     y = torch.nn.functional.grouped_mm(
+        ...         torch.empty(6, 8, device="meta"), torch.empty(2, 8, 8, device="meta"),
+        ...         offs=torch.empty(2, dtype=torch.int32, device="meta"))
+        >>> y.shape, y.dtype
+        (torch.Size([6, 8]), torch.float32)
+    """
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN206
+        return meta_call(func, args, kwargs or {})
 
 
 def origins_of(tree: Any) -> list[str]:

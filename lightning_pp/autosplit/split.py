@@ -33,6 +33,7 @@ Example (one rank, its stages ``[0, 4]`` of 8; see :class:`StagedModel`)::
 from __future__ import annotations
 
 import contextvars
+import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,7 +44,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ..layout.partition import partition_layers
 from .materialize import ShapeBuild, meta_build, replay_build
-from .phantom import Phantom, PhantomValueError, origins_of
+from .phantom import LenientMeta, Phantom, PhantomValueError, origins_of
 
 __all__ = ["SplitError", "SplitLayout", "StagedModel", "TiedParameter"]
 
@@ -104,6 +105,7 @@ class SplitLayout:
                 f"(or Sequential) of repeated blocks, e.g. 'transformer.h' or 'model.layers'"
             )
         blocks = tuple(f"{split}.{n}" for n, _ in container.named_children())
+        _refuse_router_aux_loss(model)
         if ranges is None:
             if len(blocks) < num_stages:
                 raise SplitError(
@@ -115,6 +117,7 @@ class SplitLayout:
         if len(ranges) != num_stages or [i for r in ranges for i in r] != list(range(len(blocks))):
             raise SplitError(f"ranges {list(ranges)} do not cover {len(blocks)} blocks in order")
         placement = dict(placement or {})
+        order = _call_order(model, split, blocks)
         units: dict[str, int] = {}
         shared: list[str] = []
         path = split.split(".")
@@ -137,7 +140,9 @@ class SplitLayout:
                     before = False
                     continue
                 if any(True for _ in child.parameters()):
-                    where = placement.pop(full, "first" if before else "last")
+                    # where the forward calls it (before the first block / after the last),
+                    # else where it is registered
+                    where = placement.pop(full, order.get(full, "first" if before else "last"))
                     if where not in ("first", "last"):
                         raise SplitError(f"placement[{full!r}] must be 'first' or 'last'")
                     units[full] = 0 if where == "first" else num_stages - 1
@@ -159,6 +164,91 @@ class SplitLayout:
             if name == u or name.startswith(u + "."):
                 return s
         return None
+
+
+def _call_order(model: nn.Module, split: str, blocks: Sequence[str]) -> dict[str, str]:
+    """Where the forward calls each parameterised module beside the blocks: ``"first"`` (before
+    the first block) or ``"last"`` (after the last one), learnt by running the model's meta
+    twin once on a tiny meta input (no memory, no values).
+
+    Registration order alone misleads: OPT registers ``project_out`` before its blocks and
+    applies it after them. The run needs an entry point that takes token ids: the outermost
+    module on the path to ``split`` whose forward has an ``input_ids`` argument (every Hugging
+    Face decoder); for other models, or when the meta run fails (data-dependent code), the
+    result is empty and registration order decides. Modules first called between two blocks
+    are left out (they cannot be placed on either end; the run's error names them).
+    """
+    path = split.split(".")
+    candidates = [model] + [model.get_submodule(".".join(path[:d])) for d in range(1, len(path))]
+    prefixes = [""] + [".".join(path[:d]) + "." for d in range(1, len(path))]
+    entry = None
+    for prefix, mod in zip(prefixes, candidates):
+        try:
+            params = inspect.signature(mod.forward).parameters
+        except (TypeError, ValueError):
+            continue
+        if "input_ids" in params:
+            # token ids for input_ids, and for a required labels/targets argument too
+            ids = torch.zeros(1, 4, dtype=torch.long, device="meta")
+            required = [
+                k
+                for k, p in params.items()
+                if k in ("labels", "targets") and p.default is inspect.Parameter.empty
+            ]
+            entry = (prefix, mod, {"input_ids": ids, **{k: ids for k in required}})
+            break
+    if entry is None:
+        return {}
+    prefix, root, inputs = entry
+    calls: list[str] = []
+    handles = [
+        m.register_forward_pre_hook(lambda _m, _a, n=prefix + n: calls.append(n))
+        for n, m in root.named_modules()
+        if n
+    ]
+    try:
+        with torch.no_grad(), LenientMeta():
+            root(**inputs)
+    except Exception:  # noqa: BLE001 - any failure: fall back to registration order
+        return {}
+    finally:
+        for h in handles:
+            h.remove()
+    block_set = set(blocks)
+    at = [i for i, n in enumerate(calls) if n in block_set]
+    if not at:
+        return {}
+    out: dict[str, str] = {}
+    for i, n in enumerate(calls):
+        if n in out or n in block_set:
+            continue
+        if i < at[0]:
+            out[n] = "first"
+        elif i > at[-1]:
+            out[n] = "last"
+    return out
+
+
+def _refuse_router_aux_loss(model: nn.Module) -> None:
+    """A mixture-of-experts router's auxiliary (load-balancing) loss cannot be split: refused.
+
+    Hugging Face computes it on the last stage from the router logits of EVERY block, recorded
+    by hooks on the router modules, in one nonlinear term (fraction of tokens per expert times
+    mean router probability, each over all layers' tokens), so it is not a sum of per-stage
+    parts. On a split model the routers of other stages' blocks are not on the rank: the term
+    would silently cover this stage's routers only. Plain MoE training (the default,
+    ``output_router_logits=False``) splits exactly."""
+    for name, mod in model.named_modules():
+        config = getattr(mod, "config", None)
+        if getattr(config, "output_router_logits", False) is True:
+            raise SplitError(
+                f"`{name or type(model).__name__}` ({type(mod).__name__}) has "
+                f"config.output_router_logits=True: its router auxiliary loss combines the router "
+                f"logits of every block in one nonlinear term, and a pipeline stage holds only its "
+                f"own blocks' routers, so the loss would be wrong. Fix: set "
+                f"config.output_router_logits=False (the default) to train the model split, or "
+                f"train it without split= (docs/strategy.md, mixture-of-experts)"
+            )
 
 
 # -- the run-time context -----------------------------------------------------------------------
@@ -203,7 +293,7 @@ def _meta_args(args: Any) -> Any:
 
 def _phantom_run(twin: nn.Module, name: str, device: torch.device, args, kwargs) -> Any:
     """The stand-in's output: ``twin`` (the meta build's module) run on meta copies."""
-    with torch.no_grad():
+    with torch.no_grad(), LenientMeta():
         out = twin(*_meta_args(args), **_meta_args(kwargs))
     return tree_map(lambda t: Phantom(t, device, name) if isinstance(t, Tensor) else t, out)
 
@@ -215,7 +305,8 @@ def _check_real(what: str, stage: int, args: tuple, kwargs: dict) -> None:
             f"stage {stage}: {what} receives a value computed from `{'`, `'.join(found)}`, which "
             f"runs on another pipeline stage; only the hidden state passed from block to block "
             f"crosses a cut (skip connections around blocks, e.g. reusing the embedding output "
-            f"later, cannot be split)"
+            f"later, cannot be split; a module beside the blocks placed on the wrong end is "
+            f"moved with PipelineStrategy(split_placement={{{found[0]!r}: 'last'}}) or 'first')"
         )
 
 
@@ -233,27 +324,47 @@ def _hidden_arg(args: tuple, kwargs: dict, name: str) -> tuple[Any, Callable[[An
 
 
 class _BlockSlot:
-    """Per block: the structure of its output, learnt once from the meta twin."""
+    """Per block: the structure of its output, learnt once from the meta twin.
+
+    The hidden state is the block's output field named ``hidden_states`` (a dict-like output),
+    else its first tensor in ``tree_flatten`` order. A block may return more tensors (Bloom,
+    MPT and GPT-Neo blocks return ``(hidden_states, attention_weights)``): where the block runs
+    on another stage, those come back as phantoms named ``<block> output <k>``, so code that
+    never reads them (the usual case) runs on, and code that does read one raises
+    :class:`~lightning_pp.autosplit.phantom.PhantomValueError` naming it. Nothing but the hidden
+    state is ever sent: the hand-over is the next block's hidden-state argument.
+    """
 
     def __init__(self, index: int, name: str, twin: nn.Module) -> None:
         self.index, self.name, self.twin = index, name, twin
         self._structure: tuple[Any, list[Any], int] | None = None
 
-    def passthrough(self, hidden: Any, args: tuple, kwargs: dict) -> Any:
+    def passthrough(self, hidden: Any, args: tuple, kwargs: dict, device: torch.device) -> Any:
         """What the block returns, with ``hidden`` where its output hidden state goes."""
         if self._structure is None:
-            with torch.no_grad():
+            # LenientMeta: a meta kernel stricter than the CPU one (torch's _grouped_mm meta
+            # kernel takes bfloat16 only; mixture-of-experts blocks call it) must not stop a
+            # run that needs only the output's structure and shapes.
+            with torch.no_grad(), LenientMeta():
                 out = self.twin(*_meta_args(args), **_meta_args(kwargs))
             leaves, spec = tree_flatten(out)
             where = [i for i, t in enumerate(leaves) if isinstance(t, Tensor)]
-            if len(where) != 1:
+            if not where:
                 raise SplitError(
-                    f"`{self.name}` returns {len(where)} tensors; a block must return exactly one "
-                    f"(the hidden state; None and non-tensors are fine) to be skipped or cut after"
+                    f"`{self.name}` returns no tensor ({type(out).__name__}); a block must "
+                    f"return its hidden state (a tensor, or a tuple/dict holding it) to be skipped "
+                    f"or cut after"
                 )
-            self._structure = (spec, leaves, where[0])
+            at = where[0]
+            if hasattr(out, "keys") and "hidden_states" in out.keys():
+                named = tree_flatten(out["hidden_states"])[0]
+                at = next((i for i in where if leaves[i] is named[0]), at) if named else at
+            self._structure = (spec, leaves, at)
         spec, leaves, at = self._structure
-        leaves = list(leaves)
+        leaves = [
+            Phantom(t, device, f"{self.name} output {i}") if isinstance(t, Tensor) else t
+            for i, t in enumerate(leaves)
+        ]
         leaves[at] = hidden
         return tree_unflatten(leaves, spec)
 
@@ -443,7 +554,7 @@ class StagedModel:
         run.called.append(i)
         if i < lo:
             hidden, _ = _hidden_arg(args, kwargs, slot.name)
-            return slot.passthrough(hidden, args, kwargs)
+            return slot.passthrough(hidden, args, kwargs, run.device)
         if (i > lo and previous != i - 1) or i > hi or (i < hi and real is None):
             raise SplitError(
                 f"stage {run.stage}: `{slot.name}` was called out of order (blocks called so far "
@@ -527,7 +638,8 @@ class StagedModel:
         if found:
             raise PhantomValueError(
                 f"{where}: the step's result is computed from `{'`, `'.join(found)}`, which runs "
-                f"on another pipeline stage (is it placed right? pass placement={{name: 'last'}})"
+                f"on another pipeline stage (is it placed right? place it with "
+                f"PipelineStrategy(split_placement={{{found[0]!r}: 'last'}}))"
             )
         if expect_tensor and not isinstance(out, Tensor):
             raise SplitError(f"{where}: the step must return the loss tensor, got {type(out)}")

@@ -324,9 +324,21 @@ class PipelineEngine:
         return bool(self.recompute_targets[chunk])
 
     # -- public steps --------------------------------------------------------------------------
-    def train_step(self, batch: Any) -> StepResult:
-        """Forward and backward over every microbatch; gradients ACCUMULATE into ``.grad``."""
-        return self._run(self.schedule, batch, train=True, collect=False)
+    def train_step(self, batch: Any, *, loss_weights: Sequence[float] | None = None) -> StepResult:
+        """Forward and backward over every microbatch; gradients ACCUMULATE into ``.grad``.
+
+        ``loss_weights``: one factor per microbatch that replaces the ``loss_reduction`` scaling
+        (e.g. ``count_i * dp / global_count`` for a loss that means over valid tokens, see
+        :mod:`lightning_pp.runtime.loss_weights`); it must be known before the step starts,
+        since 1F1B runs the first backward before the last forward. A microbatch of weight 0
+        (no valid target: a token mean is 0/0 there) adds nothing, not NaN.
+
+        Example::
+
+            counts = [int((mb[1] != -100).sum()) for mb in split_microbatches(batch, m)]
+            engine.train_step(batch, loss_weights=token_weights(counts, dp_group, dp))
+        """
+        return self._run(self.schedule, batch, train=True, collect=False, weights=loss_weights)
 
     def probe_step(self, batch: Any) -> list[list[LayerProbe]]:
         """Forward of microbatch 0 only (every rank, the schedule's order), with gradients
@@ -356,10 +368,20 @@ class PipelineEngine:
         return self._run(self.schedule.forward_only(), batch, train=False, collect=collect_outputs)
 
     # -- the loop ------------------------------------------------------------------------------
-    def _run(self, schedule: Schedule, batch: Any, *, train: bool, collect: bool) -> StepResult:
+    def _run(
+        self,
+        schedule: Schedule,
+        batch: Any,
+        *,
+        train: bool,
+        collect: bool,
+        weights: Sequence[float] | None = None,
+    ) -> StepResult:
         self._steps += 1
         try:
-            return self._run_actions(schedule, batch, train=train, collect=collect)
+            return self._run_actions(
+                schedule, batch, train=train, collect=collect, loss_weights=weights
+            )
         except PipelineAborted:
             raise  # another rank failed first; it reports the cause
         except Exception as e:
@@ -384,8 +406,17 @@ class PipelineEngine:
         train: bool,
         collect: bool,
         probes: list[list[LayerProbe]] | None = None,
+        loss_weights: Sequence[float] | None = None,
     ) -> StepResult:
-        step = StepRun(self, schedule, batch, train=train, collect=collect, probes=probes)
+        step = StepRun(
+            self,
+            schedule,
+            batch,
+            train=train,
+            collect=collect,
+            probes=probes,
+            loss_weights=loss_weights,
+        )
         index, action = -1, None
         finished = False
         try:

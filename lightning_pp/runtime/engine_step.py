@@ -365,6 +365,7 @@ class StepRun:
         train: bool,
         collect: bool,
         probes: list[list[LayerProbe]] | None = None,
+        loss_weights: Sequence[float] | None = None,
     ) -> None:
         self.recorder = StepRecorder(engine.rank, engine.pp_rank, schedule, t0=time.perf_counter())
         self.engine = engine
@@ -377,6 +378,13 @@ class StepRun:
         self.probes = probes
         self.microbatches = split_microbatches(batch, schedule.microbatches)
         self.batch_size = batch_size_of(batch)
+        if loss_weights is not None and len(loss_weights) != len(self.microbatches):
+            raise ValueError(
+                f"rank {engine.rank}: {len(loss_weights)} loss weights for "
+                f"{len(self.microbatches)} microbatches (one weight per microbatch)"
+            )
+        #: per microbatch, the factor of its loss (``None``: by ``engine.loss_reduction``)
+        self.loss_weights = None if loss_weights is None else [float(w) for w in loss_weights]
         self._batch_storages = (
             _storages(batch) if engine.measure_memory or probes is not None else set()
         )
@@ -518,7 +526,11 @@ class StepRun:
         if engine.finite_checker is not None:
             engine.finite_checker.loss(action, loss)
         scale = 1.0
-        if engine.loss_reduction == "mean":
+        if self.loss_weights is not None:
+            scale = self.loss_weights[action.mb]
+            if scale == 0.0:  # no valid target: a mean over none is 0/0, and 0 * NaN is NaN
+                loss = torch.nan_to_num(loss, nan=0.0)
+        elif engine.loss_reduction == "mean":
             scale = batch_size_of(microbatch) / self.batch_size
         scaled = loss.reshape(()) * scale
         self.loss += scaled.detach().float()

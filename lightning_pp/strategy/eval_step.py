@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from ..runtime.engine import PipelineEngine
     from ..runtime.records import StepRecord
     from .collectives import Collectives
+    from .loss_count import LossCounts
 
 __all__ = ["ForwardOnly", "concat_outputs", "evaluate", "forward_only", "predict", "step", "to_cpu"]
 
@@ -61,6 +62,8 @@ class ForwardOnly:
     collectives: Collectives
     device: torch.device
     record: StepRecord | None = None
+    #: the loss normalization: under token weighting, replicas' values combine by their counts
+    loss_counts: LossCounts | None = None
 
 
 def hook_context(hook: str, precision_plugin: Any) -> Callable:
@@ -138,7 +141,12 @@ def evaluate(run: ForwardOnly, batch: Any, split: str, context: Callable) -> dic
         with context(), capture_logs(module, "pipeline_eval_step", topo.rank) as logs:
             values = module.pipeline_eval_step(output, batch, split)
         stacked = torch.stack([torch.as_tensor(v).detach().float() for v in values.values()])
-        if topo.dp > 1:  # average over replicas (each saw a different shard)
+        count = _replica_count(run, batch)
+        if topo.dp > 1 and count is not None:  # a mean over the global batch's targets
+            weighted = torch.cat([stacked.double() * count, stacked.new_tensor([count]).double()])
+            run.collectives.all_reduce(weighted, group=groups.dp_group, what="the eval metrics")
+            stacked = (weighted[:-1] / weighted[-1]).float()
+        elif topo.dp > 1:  # average over replicas (each saw a different shard)
             run.collectives.all_reduce(stacked, group=groups.dp_group, what="the eval metrics")
             stacked = stacked / topo.dp
         return list(values), stacked.cpu(), logs
@@ -148,6 +156,15 @@ def evaluate(run: ForwardOnly, batch: Any, split: str, context: Callable) -> dic
     module.pipeline_log_eval(values, split)
     replay_logs(module, logs, groups.dp_group, run.device)
     return values
+
+
+def _replica_count(run: ForwardOnly, batch: Any) -> int | None:
+    """This replica's count of valid targets under token normalization, else ``None``."""
+    counts = run.loss_counts
+    if counts is None or not counts.active:
+        return None
+    found = counts.counts([batch], counts.counter(run.module, None))
+    return None if found is None else found[0]
 
 
 def predict(run: ForwardOnly, batch: Any, context: Callable, hook: str = "predict_step") -> Any:

@@ -315,6 +315,27 @@ class PipelineMixin:
             f"{type(self).__name__} must implement pipeline_loss(output, batch)"
         )
 
+    def pipeline_loss_count(self, batch: Any) -> int | Tensor | None:
+        """How many targets the loss of this (micro)batch averages over, or ``None``.
+
+        ``None`` (default): ``pipeline_loss`` is a mean over the batch's samples, and
+        microbatches and replicas are weighted by sample count. Return a count when the loss
+        means over valid tokens (labels masked with an ignore index): under
+        ``PipelineStrategy(loss_normalization="auto" | "tokens")`` each microbatch's loss is
+        then weighted by its count, the count summed over the data-parallel replicas, so the
+        step's loss and gradients are the token mean over the whole global batch, as in one
+        process (docs/strategy.md, "Loss normalization"). Not used by the plain path.
+
+        Example::
+
+            def pipeline_loss(self, output, batch):
+                return F.cross_entropy(output.flatten(0, 1), batch[1].flatten(), ignore_index=-100)
+
+            def pipeline_loss_count(self, batch):
+                return (batch[1] != -100).sum()
+        """
+        return None
+
     def pipeline_tied_parameters(self) -> list[tuple[str, ...]]:
         """Tied parameter groups (names relative to the layers container)."""
         return list(self.pipeline_layers().tied)

@@ -81,6 +81,7 @@ from .engine_build import (
     module_io,
     shard_with_fsdp,
 )
+from .loss_count import LossCounts
 from .model_summary import restore_summaries, use_stage_summaries
 from .precision import GlobalNormClipping, clip_sharded_by_global_norm, with_global_norm_clipping
 from .preflight import check_module, check_recompute_targets, meta_view
@@ -136,6 +137,13 @@ class PipelineStrategy(ProcessGroupStrategy):
             model").
         split_placement: ``{module name: "first" | "last"}`` for modules beside the blocks whose
             registration order does not say on which end they run (``split`` only).
+        loss_normalization: how microbatch and replica losses combine: ``"auto"`` (default:
+            by valid targets where a count is known, from the module's
+            ``pipeline_loss_count(batch)`` or, with ``split``, the ``labels=`` of a Hugging
+            Face model call; else by samples), ``"tokens"`` (by valid targets; an error if no
+            count is found) or ``"samples"``. The step's loss, gradients and logged values are
+            then the single-process loss over the global batch (:mod:`.loss_count`,
+            docs/strategy.md "Loss normalization").
         recompute: activation recompute (``torch.utils.checkpoint``, non-reentrant) in training:
             ``None``, ``"full"``, a list of layer indices, ``"selective:<module pattern>"``
             (modules inside layers, e.g. ``"selective:attn"``) or ``"auto"`` (per rank, the
@@ -195,6 +203,7 @@ class PipelineStrategy(ProcessGroupStrategy):
         recv_lookahead: int | None = None,
         split: str | None = None,
         split_placement: dict[str, str] | None = None,
+        loss_normalization: str = "auto",
         recompute: RecomputeSpec = None,
         activation_budget: int | str | None = None,
         async_checkpoint: bool = False,
@@ -239,6 +248,8 @@ class PipelineStrategy(ProcessGroupStrategy):
         check_split_settings(
             split, split_placement, partition, pp=pp, vpp=chunks_per_rank(self.schedule_name, vpp)
         )
+        #: how microbatch and replica losses combine (strategy/loss_count.py)
+        self.loss_counts = LossCounts(loss_normalization)
         #: the ``split=`` path (an unmodified model cut between its blocks), else ``None``
         self.split_pipeline = SplitPipeline(split, split_placement) if split else None
         #: builds and stages this rank's layers: ``split=``'s, or the module's PipelineLayers
@@ -504,8 +515,11 @@ class PipelineStrategy(ProcessGroupStrategy):
             loss_scale=self.loss_scale,
             split=self.split_pipeline,
             activation_budget=self.activation_budget if auto else None,
+            loss_counts=self.loss_counts,
         )
-        self._eval = eval_step.ForwardOnly(self.engine, layout, module, self, device)
+        self._eval = eval_step.ForwardOnly(
+            self.engine, layout, module, self, device, loss_counts=self.loss_counts
+        )
         if self.is_global_zero:
             log_start(self.plan, self.engine, self.grad_sync, self.bucket_cap_mb)
 

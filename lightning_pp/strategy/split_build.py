@@ -62,9 +62,10 @@ from ..autosplit.split import SplitError, SplitLayout, StagedModel
 from ..layout.rank_layout import RankLayout
 from ..layout.rules import split_cost_partition_message
 from ..runtime.grad_sync import TiedGroup, TiedParameterSync
-from ..runtime.microbatch import batch_size_of, batch_size_or_none
+from ..runtime.microbatch import batch_size_of, batch_size_or_none, split_microbatches
 from . import eval_step
 from .engine_build import LossScale
+from .loss_count import combine_over_dp
 from .module_rules import check_no_scaler
 from .preflight import split_layout, split_mixin_message
 
@@ -143,10 +144,13 @@ class _LogCapture:
         entry[0] += number * self.weight
         entry[1] += self.weight
 
-    def take(self) -> dict[str, tuple[float, tuple, dict]]:
-        out = {n: (s / w, a, k) for n, (s, w, a, k) in self.values.items() if w}
-        self.values = {}
-        return out
+    def take(self, combine: Callable | None = None) -> dict[str, tuple[float, tuple, dict]]:
+        """Each name's weighted mean; ``combine`` first sums the weighted sums and weights
+        over the data-parallel replicas (token weighting: the global batch's mean)."""
+        values, self.values = self.values, {}
+        if combine is not None:
+            values = combine(values)
+        return {n: (s / w, a, k) for n, (s, w, a, k) in values.items() if w}
 
 
 class _SplitChunk(nn.Module):
@@ -178,6 +182,9 @@ class SplitPipeline:
         self._expect_tensor = True
         self._logs = _LogCapture()
         self._built_in_configure = False
+        # Token weighting (strategy/loss_count.py): a microbatch's count, and the sum over dp
+        self._log_counter: Callable[[Any], tuple[int | None, str]] | None = None
+        self._log_combine: Callable | None = None
 
     # ------------------------------------------------------------------ building
     def _layout(self, layout: RankLayout, module: Any, twin: nn.Module) -> SplitLayout:
@@ -336,7 +343,7 @@ class SplitPipeline:
         assert staged is not None and self._step is not None
         stage = staged.stages[chunk]
         last = stage == staged.layout.num_stages - 1
-        self._logs.weight = batch_size_of(microbatch) if last else None
+        self._logs.weight = self._log_weight(microbatch) if last else None
         try:
             return staged.run(
                 chunk,
@@ -347,6 +354,21 @@ class SplitPipeline:
             )
         finally:
             self._logs.weight = None
+
+    def set_log_weights(
+        self, counter: Callable[[Any], tuple[int | None, str]] | None, combine: Callable | None
+    ) -> None:
+        """Weight the captured logs of the next step(s) by each microbatch's valid targets
+        (``counter``) and sum them over the replicas (``combine``); ``None``: by size."""
+        self._log_counter, self._log_combine = counter, combine
+
+    def _log_weight(self, microbatch: Any) -> int:
+        if self._log_counter is not None:
+            count, why = self._log_counter(microbatch)
+            if count is None:
+                raise SplitError(f"no count of valid targets for a microbatch's logs: {why}")
+            return count
+        return batch_size_of(microbatch)
 
     @contextlib.contextmanager
     def _running(
@@ -367,16 +389,24 @@ class SplitPipeline:
             module.__dict__.pop("log", None)
             self._step, self._expect_tensor = None, True
 
-    def train_step(self, engine: Any, module: Any, args: Sequence[Any], kwargs: dict) -> Any:
-        """The engine's training step running ``module.training_step`` on every stage."""
+    def train_step(
+        self,
+        engine: Any,
+        module: Any,
+        args: Sequence[Any],
+        kwargs: dict,
+        loss_weights: Sequence[float] | None = None,
+    ) -> Any:
+        """The engine's training step running ``module.training_step`` on every stage
+        (``loss_weights``: per microbatch, token normalization's; ``None``: by size)."""
         batch = args[0] if args else kwargs["batch"]
         with self._running(module, "training_step", args, kwargs, train=True):
-            return engine.train_step(batch)
+            return engine.train_step(batch, loss_weights=loss_weights)
 
     def replay_logs(self, layout: RankLayout, module: Any, logs: dict | None = None) -> None:
         """Send the last stage's captured logs to every pipeline rank; log them everywhere."""
         if logs is None:
-            payload = [self._logs.take()]
+            payload = [self._logs.take(self._log_combine)]
             last = layout.need_placement().output_rank
             topo = layout.need_topology()
             if topo.pp > 1:
@@ -406,10 +436,37 @@ class SplitPipeline:
         with self._running(module, hook, args, kwargs, train=False):
             if predict:
                 return eval_step.predict(run, batch, context, hook)
-            logs = eval_step.forward_only(run, batch, context, self._on_output, hook)
+            self._eval_log_weights(run, module, hook, args, kwargs, batch)
+            try:
+                logs = eval_step.forward_only(run, batch, context, self._on_output, hook)
+            finally:
+                self.set_log_weights(None, None)
         self.replay_logs(run.layout, module, logs)
         return None
 
+    def _eval_log_weights(
+        self,
+        run: eval_step.ForwardOnly,
+        module: Any,
+        hook: str,
+        args: Sequence,
+        kwargs: dict,
+        batch: Any,
+    ) -> None:
+        """Under token normalization, weight an eval hook's logs by valid targets."""
+        counts = run.loss_counts
+        if counts is None or not counts.active:
+            return
+        fn = getattr(module, hook)
+        rest, extra = tuple(args[1:]), {k: v for k, v in kwargs.items() if k != "batch"}
+        counter = counts.counter(module, self.split, lambda mb: fn(mb, *rest, **extra))
+        m = run.engine.schedule.microbatches
+        if counts.counts(split_microbatches(batch, m), counter) is not None:
+            layout, collectives, device = run.layout, run.collectives, run.device
+            self.set_log_weights(
+                counter, lambda values: combine_over_dp(values, layout, collectives, device)
+            )
+
     def _on_output(self, _output: Any) -> dict[str, tuple[float, tuple, dict]]:
         """On the last stage after an eval step: what the hook logged is the step's result."""
-        return self._logs.take()
+        return self._logs.take(self._log_combine)

@@ -31,6 +31,7 @@ from ..runtime.grad_sync import DeferredGradSync, TiedParameterSync
 from ..runtime.microbatch import batch_size_or_none
 from .collectives import Collectives
 from .engine_build import LossScale
+from .loss_count import LossCounts, combine_over_dp
 from .precision import clip_by_global_norm
 
 if TYPE_CHECKING:
@@ -60,6 +61,8 @@ class TrainStep:
     activation_budget: int | None = None
     recompute_plan: RecomputePlan | None = None
     record: StepRecord | None = None
+    #: the loss normalization (``None``: by samples, as before it existed)
+    loss_counts: LossCounts | None = None
 
     def run(
         self, module: Any, precision_plugin: Any, args: Sequence[Any], kwargs: dict[str, Any]
@@ -78,14 +81,19 @@ class TrainStep:
         last_micro_step = not compat.should_accumulate(trainer)
         self.grad_sync.enabled = last_micro_step
         self.loss_scale.value = accumulate
+        # Counted before the schedule starts: 1F1B runs the first backward before the last
+        # forward, so every microbatch's weight must be known up front.
+        weights = self._loss_weights(module, batch, args, kwargs)
         try:
             with precision_plugin.train_step_context():
                 if self.split is not None:  # the module's own training_step per stage
-                    result = self.split.train_step(self.engine, module, args, kwargs)
+                    result = self.split.train_step(
+                        self.engine, module, args, kwargs, loss_weights=weights
+                    )
                 else:
                     if self.activation_budget is not None and self.recompute_plan is None:
                         self.recompute_plan = plan_auto(self.engine, batch, self.activation_budget)
-                    result = self.engine.train_step(batch)
+                    result = self.engine.train_step(batch, loss_weights=weights)
         finally:
             self.loss_scale.value = 1
         self.record = result.record
@@ -98,9 +106,33 @@ class TrainStep:
         precision_plugin.post_backward(loss, module)
         if self.split is not None:
             self.split.replay_logs(self.layout, module)  # training_step's logs
+            self.split.set_log_weights(None, None)
         else:
             module.pipeline_log_train_loss(loss)
         return loss
+
+    def _loss_weights(
+        self, module: Any, batch: Any, args: Sequence[Any], kwargs: dict[str, Any]
+    ) -> list[float] | None:
+        """The engine's per-microbatch loss weights under token normalization (``None``: by
+        samples); on the ``split=`` path also how the captured logs are weighted."""
+        counts = self.loss_counts
+        if counts is None or not counts.active:
+            return None
+        rest = tuple(args[1:])
+        extra = {k: v for k, v in kwargs.items() if k != "batch"}
+        split = self.split.split if self.split is not None else None
+        counter = counts.counter(module, split, lambda mb: module.training_step(mb, *rest, **extra))
+        device = self.engine.device
+        weights = counts.step_weights(
+            batch, self.engine.schedule.microbatches, counter, self.layout, self.collectives, device
+        )
+        if self.split is not None and weights is not None:
+            layout, collectives = self.layout, self.collectives
+            self.split.set_log_weights(
+                counter, lambda values: combine_over_dp(values, layout, collectives, device)
+            )
+        return weights
 
 
 def dp_mean(value: Tensor, layout: RankLayout, collectives: Collectives) -> Tensor:
