@@ -43,10 +43,15 @@ IMPLS = ("ours", "torch")
 # "bare" runs our schedule's actions with nothing else (benchmarks/bare.py): what a bare executor
 # pays on this machine, the yardstick for the simulated-makespan targets.
 EXTRA_IMPLS = ("ours-nomon", "ours-L1", "ours-L2", "ours-L4", "ours-L16", "bare")
-SCHEDULE_VPP = {"gpipe": 1, "1f1b": 1, "interleaved": 2, "zb-h1": 1, "zbv": 2, "izb": 2}
+SCHEDULE_VPP = {
+    "gpipe": 1, "1f1b": 1, "interleaved": 2, "zb-h1": 1, "zbv": 2, "izb": 2, "dualpipev": 2,
+    "zb-auto": 2, "zb-auto-2p": 2,
+}  # fmt: skip
 # Schedules only one side has: torch's interleaved zero bubble (ScheduleInterleavedZeroBubble
 # with 2 stages per rank) has no lightning_pp counterpart.
-TORCH_ONLY = {"izb"}
+TORCH_ONLY = {"izb", "dualpipev"}
+# ... and ours only: zb-auto, the schedule computed from costs (lightning_pp.schedules.auto)
+OURS_ONLY = {"zb-auto", "zb-auto-2p"}
 
 
 @dataclass(frozen=True)
@@ -114,7 +119,12 @@ def _worker(rank: int, world: int, device: torch.device, spec: RunSpec) -> list[
         vpp = SCHEDULE_VPP[schedule]
         runners = {}
         stats = {}
-        impls = tuple(i for i in spec.impls if i == "torch" or schedule not in TORCH_ONLY)
+        impls = tuple(
+            i
+            for i in spec.impls
+            if (i == "torch" or schedule not in TORCH_ONLY)
+            and (i != "torch" or schedule not in OURS_ONLY)
+        )
         for impl in impls:
             stats[impl] = RankStats()
             runners[impl] = _builder(impl)(w, schedule, spec.pp, vpp, m, rank, device, stats[impl])

@@ -18,7 +18,7 @@ from torch import nn
 from lightning_pp.layout.partition import PipelineChunk, partition_layers
 from lightning_pp.layout.topology import PipelineTopology, build_process_groups
 from lightning_pp.runtime.engine import PipelineEngine
-from lightning_pp.schedules import Schedule, build_schedule
+from lightning_pp.schedules import Costs, Schedule, build_schedule
 
 from .harness import Instrumented, RankStats
 from .peer_torch import stage_layers, torch_stage
@@ -42,7 +42,17 @@ def build_chunks(
     following the schedule's placement (V for zbv); each chunk passed through
     ``wrap(schedule, local chunk index, chunk)`` if given (a meter), then moved to ``device``."""
     layers = workload.build_layers(pp)
-    sched = build_schedule(schedule, pp=pp, microbatches=microbatches, vpp=vpp)
+    # zb-auto: the order computed from the workload's cost model (same on every rank);
+    # "zb-auto-2p": the same under twice 1F1B's activation memory (ZB-2p)
+    costs = memory = None
+    if schedule.startswith("zb-auto"):
+        if workload.schedule_costs:
+            costs = Costs(**dict(workload.schedule_costs))
+        memory = "2p" if schedule == "zb-auto-2p" else "1p"
+        schedule = "zb-auto"
+    sched = build_schedule(
+        schedule, pp=pp, microbatches=microbatches, vpp=vpp, costs=costs, memory=memory
+    )
     ranges = partition_layers(len(layers), pp, sched.vpp)
     chunks = []
     for c, s in enumerate(sched.stages_of(rank)):

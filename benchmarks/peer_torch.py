@@ -5,7 +5,8 @@ does), wraps each in :class:`~benchmarks.harness.Instrumented`, and drives torch
 ``ScheduleGPipe`` / ``Schedule1F1B`` (one stage per rank) or ``ScheduleInterleaved1F1B``
 (``vpp`` stages per rank), ``ScheduleInterleavedZeroBubble`` (``"zb-h1"`` with one stage per
 rank, ``"izb"`` with ``vpp``) and ``ScheduleZBVZeroBubble`` (``"zbv"``: V placement, rank r
-holds stages r and 2p-1-r, as lightning_pp's zbv). Shapes are given up front (static
+holds stages r and 2p-1-r, as lightning_pp's zbv) and ``ScheduleDualPipeV`` (``"dualpipev"``,
+the same V placement). Shapes are given up front (static
 metadata), torch's fastest path.
 
 Example (inside an initialised process group of ``pp`` ranks):
@@ -22,6 +23,7 @@ from torch import nn
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
+    ScheduleDualPipeV,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
     ScheduleInterleavedZeroBubble,
@@ -41,9 +43,14 @@ def stage_layers(layers: list[nn.Module], stage: int, num_stages: int) -> list[n
     return layers[stage * k : (stage + 1) * k]
 
 
+#: schedules in V placement (rank r holds stages r and 2p-1-r)
+V_SCHEDULES = ("zbv", "dualpipev", "zb-auto", "zb-auto-2p")
+
+
 def torch_stage(schedule: str, chunk: int, pp: int, rank: int) -> int:
-    """The virtual stage of local chunk ``chunk``: V placement for zbv, loop otherwise."""
-    if schedule == "zbv":
+    """The virtual stage of local chunk ``chunk``: V placement for zbv, dualpipev and ours
+    zb-auto (two chunks per rank), loop otherwise."""
+    if schedule in V_SCHEDULES:
         return rank if chunk == 0 else 2 * pp - 1 - rank
     return chunk * pp + rank
 
@@ -90,7 +97,7 @@ def build_torch_step(
     mid_in = torch.zeros(mb_shape, device=device, requires_grad=True)
     out_meta = torch.zeros(mb_shape, device=device, requires_grad=True)
     stages, params = [], []
-    split = schedule in ("zb-h1", "izb", "zbv")
+    split = schedule in ("zb-h1", "izb", "zbv", "dualpipev")
     for chunk in range(vpp):
         s = torch_stage(schedule, chunk, pp, rank)
         module = Instrumented(
@@ -115,6 +122,8 @@ def build_torch_step(
         sched = ScheduleInterleavedZeroBubble(stages, microbatches, loss_fn=loss_fn)
     elif schedule == "zbv":
         sched = ScheduleZBVZeroBubble(stages, microbatches, loss_fn=loss_fn)
+    elif schedule == "dualpipev":
+        sched = ScheduleDualPipeV(stages, microbatches, loss_fn=loss_fn)
     elif schedule == "1f1b":
         sched = Schedule1F1B(stages[0], microbatches, loss_fn=loss_fn)
     elif schedule == "gpipe":
@@ -123,7 +132,7 @@ def build_torch_step(
         raise ValueError(f"torch peer has no schedule {schedule!r}")
     has_first = rank == 0
     # the last virtual stage lives on rank pp-1 (loop placement) or rank 0 (V placement)
-    has_last = rank == (0 if schedule == "zbv" else pp - 1)
+    has_last = rank == (0 if schedule in V_SCHEDULES else pp - 1)
 
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
         losses: list[torch.Tensor] = []

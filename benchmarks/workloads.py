@@ -75,6 +75,10 @@ class Workload:
     #: (``t_w``) autograd node (rank share, like ``t_f``); ``t_b`` is then ``t_i + t_w``
     t_i: float | None = None
     t_w: float | None = None
+    #: the costs ``zb-auto`` is built from (keyword arguments of the simulator's ``Costs``, per
+    #: rank share: t_f, t_b, t_i, t_w, latency, overhead), as a tuple of pairs (picklable,
+    #: hashable); ``None``: zb-auto's defaults (t_f = t_i = t_w)
+    schedule_costs: tuple[tuple[str, float], ...] | None = None
 
     def __post_init__(self) -> None:
         if self.name not in ("sleep", "transformer"):

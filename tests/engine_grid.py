@@ -41,7 +41,7 @@ from lightning_pp.layout.partition import PipelineChunk, partition_layers
 from lightning_pp.layout.topology import PipelineTopology, ProcessGroups, build_process_groups
 from lightning_pp.runtime.engine import PipelineEngine
 from lightning_pp.runtime.grad_sync import DeferredGradSync, TiedGroup, TiedParameterSync
-from lightning_pp.schedules import Action, Op, Schedule, build_schedule
+from lightning_pp.schedules import Action, Costs, Op, Schedule, build_schedule
 
 TOL = 1e-6
 SEQ_LENS = [5, 7, 3, 6, 4]
@@ -64,6 +64,7 @@ def case(schedule: str, pp: int, m: int, vpp: int | None = None, **kw: Any) -> d
         + (f"-b{c['batch']}" if c["batch"] not in (8, 10) else "")
         + (f"-L{c['lookahead']}" if c["lookahead"] else "")
         + ("-dp2" if c["dp_sync"] else "")
+        + ("-costs" + "-".join(f"{v:g}" for v in c["costs"].values()) if c.get("costs") else "")
     )
     return c
 
@@ -79,7 +80,9 @@ def v_schedule(pp: int, m: int) -> Schedule:
 def schedule_of(c: dict) -> Schedule:
     if c["schedule"] == "gpipe-v":
         return v_schedule(c["pp"], c["m"])
-    kw = {} if c["vpp"] is None else {"vpp": c["vpp"]}
+    kw: dict[str, Any] = {} if c["vpp"] is None else {"vpp": c["vpp"]}
+    if c.get("costs"):  # zb-auto: the order is computed from these (Costs keyword arguments)
+        kw["costs"] = Costs(**c["costs"])
     return build_schedule(
         c["schedule"], pp=c["pp"], microbatches=c["m"], group_size=c["group"], **kw
     )

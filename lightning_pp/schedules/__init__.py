@@ -11,6 +11,7 @@ Example:
 """
 
 from .actions import Action, Op, Schedule
+from .auto import MEMORY_PRESETS, memory_limits, zb_auto
 from .generators import (
     DEFAULT_VPP,
     SCHEDULES,
@@ -41,6 +42,9 @@ from .validate import (
 
 __all__ = [
     "DEFAULT_VPP",
+    "MEMORY_PRESETS",
+    "memory_limits",
+    "zb_auto",
     "chunks_per_rank",
     "OP_STYLE",
     "SCHEDULES",

@@ -320,6 +320,8 @@ def _zbv_rank(p: int, r: int, n: int) -> list[Action]:
     return steps
 
 
+#: every schedule by name; ``"zb-auto"`` (:func:`lightning_pp.schedules.auto.zb_auto`) is
+#: entered by its own module, which builds on the generators here (the package imports it)
 SCHEDULES: dict[str, Callable[..., Schedule]] = {
     "gpipe": gpipe,
     "1f1b": one_f_one_b,
@@ -328,8 +330,9 @@ SCHEDULES: dict[str, Callable[..., Schedule]] = {
     "zbv": zbv,
 }
 
-#: chunks per rank a schedule runs when the caller leaves ``vpp`` unset
-DEFAULT_VPP: dict[str, int] = {"zbv": 2}
+#: chunks per rank a schedule runs when the caller leaves ``vpp`` unset (zb-auto: 2, in V
+#: placement, the layout where a computed order has the most room; vpp=1 gives loop placement)
+DEFAULT_VPP: dict[str, int] = {"zbv": 2, "zb-auto": 2}
 
 
 def chunks_per_rank(name: str, vpp: int | None = None) -> int:
@@ -359,8 +362,14 @@ def build_schedule(
     microbatches: int,
     vpp: int | None = None,
     group_size: int | None = None,
+    costs: object | None = None,
+    memory: object | None = None,
 ) -> Schedule:
     """Build a schedule by name.
+
+    ``costs`` (a :class:`~lightning_pp.schedules.simulate.Costs`) and ``memory`` (see
+    :func:`~lightning_pp.schedules.auto.memory_limits`) are what ``zb-auto`` is built from
+    (unset: ``t_f = t_i = t_w`` and 1F1B's peak memory); the other schedules take neither.
 
     ``vpp=None`` (unset, every front end's default) means the schedule's own chunk count:
     2 for ``zbv``, else 1. A given ``vpp`` is taken as given: one the schedule cannot run
@@ -385,4 +394,12 @@ def build_schedule(
         return interleaved(pp, microbatches, vpp=vpp, group_size=group_size)
     if group_size is not None:
         raise ValueError(f"group_size applies only to the interleaved schedule, not {name!r}")
+    if name == "zb-auto":
+        extra = {"costs": costs, "memory": memory if memory is not None else "1p"}
+        return SCHEDULES[name](pp, microbatches, vpp=vpp, **extra)
+    if costs is not None or memory is not None:
+        raise ValueError(
+            f"costs and memory are what schedule 'zb-auto' is built from; {name!r} is a fixed "
+            f"order (simulate it under costs instead)"
+        )
     return SCHEDULES[name](pp, microbatches, vpp=vpp)

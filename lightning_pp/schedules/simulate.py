@@ -39,6 +39,12 @@ class Costs:
     ``"auto"`` planner recomputes again for ``W`` (``RecomputeOnce(again=True)``) runs its
     forward a second time there. Default: none.
 
+    ``overhead`` is the engine's fixed cost of one action (``F``, ``B``, ``I`` or ``W``) beyond
+    its layers' compute, added to every step of every rank. It is what makes a fused ``B``
+    cheaper than an ``I`` and a ``W`` on a real machine (one dispatch instead of two), which the
+    cost-built schedule (:func:`~lightning_pp.schedules.auto.zb_auto`) weighs. Default 0: no
+    change.
+
     Example:
         >>> from lightning_pp.schedules import build_schedule, simulate
         >>> simulate(build_schedule("1f1b", pp=4, microbatches=8), Costs(t_f=1, t_b=2)).makespan
@@ -58,6 +64,7 @@ class Costs:
     t_r: float = 0.0
     recompute: Mapping[int | tuple[int, int], float] = field(default_factory=dict)
     recompute_w: Mapping[int | tuple[int, int], float] = field(default_factory=dict)
+    overhead: float = 0.0
 
     def __post_init__(self) -> None:
         # Resolve the split first so that every field reads as a number afterwards.
@@ -78,6 +85,7 @@ class Costs:
                 )
             values[f"overrides[{key}]"] = min(costs)
         values["t_r"] = self.t_r
+        values["overhead"] = self.overhead
         for name, table in (("recompute", self.recompute), ("recompute_w", self.recompute_w)):
             for where, seconds in table.items():
                 ok = isinstance(where, int) or (
@@ -111,11 +119,12 @@ class Costs:
             ti = tw = tb / 2
         tr = self.recompute_cost(schedule, rank, chunk)
         t_again = _lookup(self.recompute_w, schedule, rank, chunk, 0.0)
+        oh = float(self.overhead)
         return {
-            Op.F: float(tf),
-            Op.B: float(tb) + tr,
-            Op.I: float(ti) + tr,
-            Op.W: float(tw) + t_again,
+            Op.F: float(tf) + oh,
+            Op.B: float(tb) + tr + oh,
+            Op.I: float(ti) + tr + oh,
+            Op.W: float(tw) + t_again + oh,
         }
 
     def recompute_cost(self, schedule: Schedule, rank: int, chunk: int) -> float:

@@ -1,0 +1,191 @@
+"""zb-auto against the handcrafted schedules, in the simulator: the acceptance grid of issue 36.
+
+Over p in {2, 4, 8}, m in {p, 2p, 4p}, the cost ratios t_f : t_i : t_w in {1:1:1, 1:1.5:0.5,
+1:0.7:1.3, 1.5:1:1}, each with equal stages and with a heavy last stage, it builds ``zb-auto``
+(one chunk per rank in loop placement, and two in V placement) and the handcrafted ``1f1b``,
+``zb-h1`` and ``zbv`` and compares their simulated makespans at the same memory limit: 1F1B's
+peak, ``p`` stages' worth of activations on every rank (``memory="1p"``), which is what all of
+them hold. The interleaved 1F1B holds more (its rank 0: ``2(p-1) + p + 1`` chunks for ``v = 2``)
+and is left out of the "same memory" comparison.
+
+Heavy last stage: the model's head adds half a stage's work (of the ``vpp = 1`` split) to the
+last virtual stage, whatever the layout: at ``vpp = 1`` rank ``p - 1`` costs 1.5x, in V placement
+rank 0's chunk 1 costs twice a chunk. The same model, so the layouts compare.
+
+Usage::
+
+    python -m benchmarks.zb_auto_grid            # the markdown table (docs/schedules.md)
+    python -m benchmarks.zb_auto_grid --timing   # also the build times at p=16/m=128, p=32/m=256
+
+Nothing here is timed against a threshold; tests/test_zb_auto.py asserts the grid's claims.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import dataclass
+
+from lightning_pp.schedules import Costs, Op, Schedule, one_f_one_b, simulate, zb_h1, zbv
+from lightning_pp.schedules.auto import zb_auto
+
+RATIOS: tuple[tuple[float, float, float], ...] = (
+    (1, 1, 1),
+    (1, 1.5, 0.5),
+    (1, 0.7, 1.3),
+    (1.5, 1, 1),
+)
+PPS = (2, 4, 8)
+HEAVY = 1.5
+
+
+def costs_for(ratio: tuple[float, float, float], pp: int, vpp: int, heavy: bool) -> Costs:
+    """The simulator's costs of one grid case for a layout with ``vpp`` chunks per rank.
+
+    ``t_f, t_i, t_w`` are one rank's whole share (each chunk costs ``t / vpp``); a heavy last
+    stage adds ``(HEAVY - 1) * t`` (half a one-chunk stage) to the last virtual stage.
+
+    Example:
+        >>> costs_for((1, 1.5, 0.5), 2, 1, True).overrides
+        {(1, 0): (1.5, 3.0, 2.25, 0.75)}
+    """
+    t_f, t_i, t_w = ratio
+    overrides = {}
+    if heavy:
+        # the last virtual stage: rank p-1 (loop, vpp=1) or rank 0's chunk 1 (V)
+        rank, chunk = (pp - 1, 0) if vpp == 1 else (0, 1)
+        k = HEAVY - 1
+        f, i, w = (t_f / vpp + k * t_f, t_i / vpp + k * t_i, t_w / vpp + k * t_w)
+        overrides[(rank, chunk)] = (f, i + w, i, w)
+    return Costs(t_f=t_f, t_b=t_i + t_w, t_i=t_i, t_w=t_w, overrides=overrides)
+
+
+def lower_bound(costs: Costs, pp: int, m: int, vpp: int) -> float:
+    """A makespan no schedule of this layout can beat: every rank's busy time (F + I + W of
+    each microbatch-chunk) plus the time before its first stage can start (microbatch 0's
+    forward through the stages before it). Shows how much room was left to win."""
+    placement = "v" if vpp == 2 else "loop"
+    shell = Schedule("lb", pp, vpp, m, tuple(() for _ in range(pp)), placement=placement)
+    per = [[costs.chunk_costs(shell, r, c) for c in range(vpp)] for r in range(pp)]
+    f_of_stage = [per[r][c][Op.F] for r, c in map(shell.locate, range(pp * vpp))]
+    bound = 0.0
+    for r in range(pp):
+        busy = m * sum(per[r][c][Op.F] + per[r][c][Op.I] + per[r][c][Op.W] for c in range(vpp))
+        first = min(shell.stages_of(r))
+        bound = max(bound, busy + sum(f_of_stage[:first]))
+    return bound
+
+
+@dataclass(frozen=True)
+class Case:
+    """One grid case's simulated makespans (time units of the ratio)."""
+
+    pp: int
+    m: int
+    ratio: tuple[float, float, float]
+    heavy: bool
+    hand: dict[str, float]  # handcrafted name -> makespan
+    auto_loop: float
+    auto_v: float
+    bound: float  # the lower bound of the better layout (:func:`lower_bound`)
+
+    @property
+    def best_hand(self) -> tuple[str, float]:
+        name = min(self.hand, key=lambda k: (self.hand[k], k))
+        return name, self.hand[name]
+
+    @property
+    def auto(self) -> float:
+        return min(self.auto_loop, self.auto_v)
+
+    @property
+    def ratio_to_best(self) -> float:
+        return self.auto / self.best_hand[1]
+
+    @property
+    def unequal(self) -> bool:
+        return self.heavy or len(set(self.ratio)) > 1
+
+
+def run_case(pp: int, m: int, ratio: tuple[float, float, float], heavy: bool) -> Case:
+    """Simulate the handcrafted schedules and build zb-auto for one case."""
+    c1, c2 = costs_for(ratio, pp, 1, heavy), costs_for(ratio, pp, 2, heavy)
+    hand = {
+        "1f1b": simulate(one_f_one_b(pp, m), c1).makespan,
+        "zb-h1": simulate(zb_h1(pp, m), c1).makespan,
+        "zbv": simulate(zbv(pp, m), c2).makespan,
+    }
+    auto_loop = simulate(zb_auto(pp, m, vpp=1, costs=c1), c1).makespan
+    auto_v = simulate(zb_auto(pp, m, vpp=2, costs=c2), c2).makespan
+    bound = min(lower_bound(c1, pp, m, 1), lower_bound(c2, pp, m, 2))
+    return Case(pp, m, ratio, heavy, hand, auto_loop, auto_v, bound)
+
+
+def grid() -> list[Case]:
+    """Every case of the acceptance grid."""
+    return [
+        run_case(p, m, ratio, heavy)
+        for heavy in (False, True)
+        for ratio in RATIOS
+        for p in PPS
+        for m in (p, 2 * p, 4 * p)
+    ]
+
+
+def table(cases: list[Case]) -> str:
+    """The markdown table of docs/schedules.md, then a summary line."""
+    lines = [
+        "| t_f:t_i:t_w | last stage | p | m | 1f1b | zb-h1 | zbv | zb-auto loop | zb-auto V "
+        "| zb-auto / best handcrafted | lower bound / best handcrafted |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for c in cases:
+        ratio = ":".join(f"{x:g}" for x in c.ratio)
+        name, _ = c.best_hand
+        lines.append(
+            f"| {ratio} | {'x1.5' if c.heavy else 'equal'} | {c.pp} | {c.m} "
+            f"| {c.hand['1f1b']:.2f} | {c.hand['zb-h1']:.2f} | {c.hand['zbv']:.2f} "
+            f"| {c.auto_loop:.2f} | {c.auto_v:.2f} | {c.ratio_to_best:.3f} (vs {name}) "
+            f"| {c.bound / c.best_hand[1]:.3f} |"
+        )
+    unequal = [c for c in cases if c.unequal]
+    better = [c for c in unequal if c.ratio_to_best <= 0.95]
+    worst = max(c.ratio_to_best for c in cases)
+    reachable = [c for c in unequal if c.bound / c.best_hand[1] <= 0.95]
+    mean = sum(c.ratio_to_best for c in unequal) / len(unequal)
+    lines.append("")
+    lines.append(
+        f"{len(cases)} cases; zb-auto <= best handcrafted in "
+        f"{sum(c.ratio_to_best <= 1 + 1e-9 for c in cases)}; worst ratio {worst:.3f}; "
+        f">= 5 % shorter in {len(better)} of {len(unequal)} unequal-cost cases; "
+        f"mean ratio over unequal cases {mean:.3f}; "
+        f"the lower bound leaves >= 5 % to win in {len(reachable)} of them"
+    )
+    return "\n".join(lines)
+
+
+def build_times() -> list[tuple[int, int, float, float]]:
+    """(p, m, wall seconds, CPU seconds) to build zb-auto (V placement, 1 : 1.5 : 0.5, heavy
+    last stage) at p=16/m=128 and p=32/m=256. CPU time too: on a shared machine the wall time
+    says more about the neighbours than about the build."""
+    out = []
+    for p, m in ((16, 128), (32, 256)):
+        costs = costs_for((1, 1.5, 0.5), p, 2, True)
+        t0, c0 = time.perf_counter(), time.process_time()
+        zb_auto(p, m, vpp=2, costs=costs)
+        out.append((p, m, time.perf_counter() - t0, time.process_time() - c0))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--timing", action="store_true", help="also time large builds")
+    args = parser.parse_args()
+    print(table(grid()))
+    if args.timing:
+        for p, m, wall, cpu in build_times():
+            print(f"build zb-auto p={p} m={m} (V): {wall:.2f} s wall, {cpu:.2f} s CPU")
+
+
+if __name__ == "__main__":
+    main()
