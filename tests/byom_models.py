@@ -153,6 +153,9 @@ def _hf(name: str):
     if name == "llama-tied":
         cfg = tf.LlamaConfig(tie_word_embeddings=True, **llama)
         return lambda: tf.LlamaForCausalLM(cfg)
+    if name == "qwen2":
+        cfg = tf.Qwen2Config(tie_word_embeddings=False, **llama)
+        return lambda: tf.Qwen2ForCausalLM(cfg)
     if name == "qwen2-tied":
         cfg = tf.Qwen2Config(tie_word_embeddings=True, **llama)
         return lambda: tf.Qwen2ForCausalLM(cfg)

@@ -106,6 +106,7 @@ def background_jobs(items, tmp_path_factory) -> dict:
         "test_split_backward_cost_script": _split_backward_cost_script,
         "test_async_save_script": _async_save_script,
         "test_sharded_script": _sharded_script,
+        "test_tp_script": _tp_script,
     }
     return background.jobs_of_tests(items, tmp_path_factory, table)
 
@@ -386,3 +387,44 @@ def _sharded_script(tmp_path) -> str:
 @pytest.mark.timeout(background.WAIT)
 def test_sharded_script():
     print(background.check("test_sharded_script"))
+
+
+def _tp_script(tmp_path) -> str:
+    """benchmarks/bench_tp.py --quick: a tiny DecoderLM at pp4, pp2 x dp2 and pp2 x tp2 on four
+    processes under the Trainer (torchrun), each variant's loss equal to the single-process
+    reference; P2P bytes counted equal to the shapes' (plus headers), tp collectives only under
+    tp; both send-or-broadcast ways timed. Structure only, no timing. Runs in the background."""
+    import subprocess
+
+    out = tmp_path / "tp.json"
+    script = os.path.join(ROOT, "benchmarks", "bench_tp.py")
+    proc = subprocess.run(
+        [sys.executable, script, "--quick", "--timeout", "500", "--out", str(out)],
+        timeout=600,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": ROOT},
+        start_new_session=True,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    summary = data["summary"]
+    assert set(summary) == {"pp4", "pp2-dp2", "pp2-tp2"}
+    for name, row in summary.items():
+        assert row["check"] == "ok" and row["step_ms"] > 0, (name, row)
+        shapes = row["p2p_bytes_from_shapes"]
+        assert shapes <= row["p2p_bytes"] <= 1.1 * shapes, (name, row)  # + the shape headers
+        assert (row["tp_coll_calls"] > 0) == (row["tp"] > 1), (name, row)
+    assert (
+        summary["pp2-tp2"]["p2p_bytes_from_shapes"]
+        == 2 * summary["pp2-dp2"]["p2p_bytes_from_shapes"]
+    )  # every tp rank sends the whole activation; dp splits the batch
+    micro = data["micro"]
+    assert micro and all(r["every_ms"] > 0 and r["once+bcast_ms"] > 0 for r in micro)
+    assert "| pp2-tp2 | 2 x 1 x 2 |" in data["markdown"]
+    return f"{len(summary)} variants checked, {len(micro)} message sizes timed both ways"
+
+
+@pytest.mark.timeout(background.WAIT)
+def test_tp_script():
+    print(background.check("test_tp_script"))

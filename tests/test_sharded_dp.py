@@ -27,6 +27,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "scripts"))
 
 from pp_common import load_runs, reference_runs  # noqa: E402
+from pp_common import mismatches as _mismatches  # noqa: E402
+from pp_common import rel_errors as _rel  # noqa: E402
 from worlds import World, script_main, world  # noqa: E402
 
 REL_TOL = 1e-5
@@ -98,30 +100,6 @@ def zero_runs(tmp_path_factory) -> dict[str, list[dict]]:
     argv = ["--out", str(out), "--configs", json.dumps(ZERO)]
     world("trainer", 4).run(script_main, "pp_run", argv, timeout=500)
     return load_runs(out, ZERO, 4)
-
-
-def _rel(got: list[float], want: list[float]) -> list[float]:
-    assert len(got) == len(want), (len(got), len(want))
-    return [abs(g - w) / abs(w) for g, w in zip(got, want)]
-
-
-def _mismatches(ranks: list[dict], ref: dict, tol: float) -> list[str]:
-    """What differs from the reference beyond ``tol`` (empty: the run is the reference's)."""
-    bad = []
-    for d in ranks:
-        errs = _rel(d["train_loss"], ref["train_loss"])
-        if max(errs) > tol:
-            bad.append(f"rank {d['rank']}: train loss relative errors {max(errs):.2e}")
-        for key in ("val_loss", "val_acc"):
-            errs = _rel([v[key] for v in d["val"]], [v[key] for v in ref["val"]])
-            if max(errs) > tol:
-                bad.append(f"rank {d['rank']}: {key} relative errors {max(errs):.2e}")
-        errs = _rel(d["grad_norm"], ref["grad_norm"])
-        if max(errs) > tol:
-            bad.append(f"rank {d['rank']}: gradient norm relative errors {max(errs):.2e}")
-        if d["best"] != ref["best"]:
-            bad.append(f"rank {d['rank']}: best checkpoint {d['best']} != {ref['best']}")
-    return bad
 
 
 @pytest.mark.parametrize("cfg", EXACT, ids=[c["name"] for c in EXACT])

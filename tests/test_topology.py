@@ -39,11 +39,35 @@ def test_every_rank_in_exactly_one_pipeline_and_one_dp_group():
 
 
 def test_errors_print_every_number():
-    with pytest.raises(ValueError, match=r"pp\(4\) \* dp\(2\) != world_size\(6\)"):
+    with pytest.raises(ValueError, match=r"pp\(4\) \* dp\(2\) \* tp\(1\) != world_size\(6\)"):
         PipelineTopology(world_size=6, pp=4, dp=2, rank=0)
+    with pytest.raises(ValueError, match=r"world_size\(8\) is not divisible by pp\(2\) \* tp\(3\)"):
+        PipelineTopology.from_world(8, 0, pp=2, tp=3)
     with pytest.raises(ValueError, match=r"world_size\(6\) is not divisible by pp\(4\)"):
         PipelineTopology.from_world(6, 0, pp=4)
     with pytest.raises(ValueError, match=r"rank\(8\) must lie in \[0, world_size\(8\)\)"):
         PipelineTopology.from_world(8, 8, pp=2)
     with pytest.raises(ValueError, match="pp must be a positive integer"):
         PipelineTopology(world_size=4, pp=0, dp=4, rank=0)
+
+
+def test_tensor_parallel_is_innermost_and_peers_share_coordinates():
+    """pp2 x dp2 x tp2: a stage's tp ranks are neighbours; a rank's pipeline peers and replicas
+    keep its other coordinates; every rank is in exactly one group of each kind."""
+    world = 8
+    topos = [PipelineTopology.from_world(world, r, pp=2, tp=2) for r in range(world)]
+    assert [(t.pp_rank, t.dp_rank, t.tp_rank) for t in topos[:4]] == [
+        (0, 0, 0),
+        (0, 0, 1),
+        (0, 1, 0),
+        (0, 1, 1),
+    ]
+    t5 = topos[5]  # (pp 1, dp 0, tp 1)
+    assert (t5.tp_ranks, t5.dp_ranks, t5.pipeline_ranks) == ([4, 5], [5, 7], [1, 5])
+    assert (t5.prev_rank, t5.next_rank) == (1, 1)
+    for lists in (t5.all_pipelines(), t5.all_dp_groups()):
+        assert sorted(r for group in lists for r in group) == list(range(world))
+    for t in topos:
+        lists, mine = t.stage_lists([0, 1])
+        assert lists[mine] == t.pipeline_ranks
+        assert t.rank in t.tp_ranks and t.rank in t.dp_ranks

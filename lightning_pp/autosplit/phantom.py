@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
@@ -96,6 +97,8 @@ class Phantom(Tensor):
         def to_meta(x: Any) -> Any:
             if isinstance(x, Phantom):
                 return x._meta
+            if isinstance(x, DTensor):  # a tensor-parallel weight: its whole shape, no mesh
+                return torch.empty(x.shape, dtype=x.dtype, device="meta")
             if isinstance(x, Tensor):
                 return x.to("meta")
             if isinstance(x, torch.device):

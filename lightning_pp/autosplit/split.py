@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ..layout.partition import partition_layers
@@ -284,6 +285,8 @@ def _meta_args(args: Any) -> Any:
     def conv(x: Any) -> Any:
         if isinstance(x, Phantom):
             return x._meta
+        if isinstance(x, DTensor):  # tensor parallel: the twin is whole, so the whole shape
+            return torch.empty(x.shape, dtype=x.dtype, device="meta")
         if isinstance(x, Tensor):
             return x.detach().to("meta")
         return x

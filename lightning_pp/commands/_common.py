@@ -198,6 +198,7 @@ _PLAN_ARGS = (
     "zero",
     "fsdp",
     "reshard_after_forward",
+    "tp",
 )
 
 # Data-module counts that cannot be 0 or negative. The data module would only find out in
@@ -332,6 +333,19 @@ def check_data(cfg: RunConfig) -> None:
             raise ConfigError(
                 f"{_where(cfg, key)}: {name}={value} holds no data; set {key} to a positive integer"
             )
+
+
+def _check_tensor_parallel(module: Any, tp: int, *, layers: bool) -> None:
+    """The model at ``tp`` (:func:`~lightning_pp.planner.tensor_parallel.check_model_tp`):
+    its heads, KV heads, hidden, FFN and vocabulary sizes divide by ``tp``, and a
+    ``PipelineLayers`` model has a ``pipeline_tensor_parallel`` hook; raises
+    :class:`PreflightError` naming the numbers."""
+    from lightning_pp.planner.meta_profile import meta_layers
+    from lightning_pp.planner.tensor_parallel import check_model_tp
+
+    note = check_model_tp(module, meta_layers(module) if layers else None, tp)
+    if note is not None:
+        raise PreflightError(note, key="tp")
 
 
 @dataclass
@@ -473,6 +487,8 @@ def check_run(
                 split_placement=section.get("split_placement"),
                 recompute=None if section.get("recompute") == "auto" else section.get("recompute"),
             )
+        if plan.tp > 1 and info is not None and info.module is not None:
+            _check_tensor_parallel(info.module, plan.tp, layers=has_layers and not split)
     except PreflightError as err:
         raise _plan_error(cfg, err, devices, num_nodes, launch is not None) from None
     except SplitError as err:

@@ -377,6 +377,13 @@ def _check_strategy(strategy: Any, errors: _Errors) -> None:
         )
     except PreflightError as e:
         errors.add(f"strategy.{e.key}", str(e))
+    if strategy.get("tp_plan") is not None:  # tp itself is a plan input (the plan checks it)
+        from ..strategy.tensor_parallel import check_tp_plan_setting
+
+        try:
+            check_tp_plan_setting(strategy.get("tp_plan"), split or None)
+        except PreflightError as e:
+            errors.add(f"strategy.{e.key}", str(e))
 
 
 def _check_callbacks(callbacks: Any, errors: _Errors) -> None:

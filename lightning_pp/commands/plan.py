@@ -72,6 +72,8 @@ def run(args: argparse.Namespace) -> int:
         )
     try:
         split_options(args, command)
+        if getattr(args, "tp", None) is not None:  # --tp N is strategy.tp=N
+            args.overrides = [*args.overrides, f"strategy.tp={args.tp}"]
         cfg = load_config(args.config, args.overrides)
     except ConfigError as err:
         return fail(command, str(err))

@@ -18,6 +18,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -86,10 +87,17 @@ def _param_dtype(state: StateBytes) -> Any:
 
 
 def _measure(
-    cfg: RunConfig, plan: PipelinePlan, module: Any, state: StateBytes, precision: Any
+    cfg: RunConfig,
+    plan: PipelinePlan,
+    module: Any,
+    state: StateBytes,
+    precision: Any,
+    tp: int | None = None,
 ) -> tuple[list[LayerTensors] | None, list[LayerCost] | None, str]:
     """(each layer's tensor sizes, each layer's bytes at the plan's microbatch, a note): the
-    layers' bytes measured on the meta device; ``None`` and the reason where they cannot be."""
+    layers' bytes measured on the meta device, as one of ``tp`` (default the plan's)
+    tensor-parallel ranks holds them (:mod:`lightning_pp.planner.tensor_parallel`); ``None``
+    and the reason where they cannot be."""
     from lightning_pp.commands.config import instantiate
     from lightning_pp.planner.meta_profile import (
         example_input,
@@ -97,10 +105,24 @@ def _measure(
         meta_layer_costs,
         meta_layers,
     )
+    from lightning_pp.planner.tensor_parallel import local_layers, record_tp_styles
 
     if module is None or not callable(getattr(module, "pipeline_layers", None)):
         return None, None, "the model has no pipeline_layers() to measure"
+    tp = plan.tp if tp is None else tp
     layers = meta_layers(module)
+    if tp > 1:
+        styles = record_tp_styles(module, layers, tp)
+        if styles is None:
+            return (
+                None,
+                None,
+                (
+                    f"{type(module).__name__} has no pipeline_tensor_parallel hook calling "
+                    f"parallelize_module: its tp={tp} shards are not known"
+                ),
+            )
+        layers = local_layers(layers, styles, tp)
     tensors: list[LayerTensors] = [layer_tensor_shapes(layer) for layer in layers]
     if plan.batch_size is None:
         return tensors, None, "no data.init_args.batch_size: the microbatch size is unknown"
@@ -142,7 +164,7 @@ def memory_lines(
     """The report's memory sections for ``plan`` (its layers known)."""
     from lightning_pp.planner.plan_memory import compare_shardings
     from lightning_pp.planner.report import format_memory_table, format_sharding_table
-    from lightning_pp.planner.sharding import StateBytes
+    from lightning_pp.planner.sharding import Sharding, StateBytes
 
     state = StateBytes.for_precision(settings.precision, settings.optimizer)
     module = None if info is None else info.module
@@ -159,13 +181,16 @@ def memory_lines(
         state,
         recompute=recompute,
         reshard_after_forward=_reshard(plan, settings),
+        shardings=None if plan.tp == 1 else [Sharding(dp=plan.dp or 1)],
     )
     current = _current_label(plan, settings)
     mine = next((r for r in rows if r.label == current), rows[0])
     known = costs is not None
+    tp_text = f", tensor-parallel rank of tp={plan.tp}" if plan.tp > 1 else ""
     out = [
         "",
-        f"--- memory per pipeline rank (one data-parallel replica, sharding {mine.label}"
+        f"--- memory per pipeline rank (one data-parallel replica{tp_text}, sharding "
+        f"{mine.label}"
         f"{f' over dp={plan.dp}' if plan.dp and plan.dp > 1 else ''}; peak of a step) ---",
         "  " + _states_line(state, settings.optimizer, settings.precision),
         "  activations: "
@@ -197,7 +222,79 @@ def memory_lines(
             "  choose one with strategy.zero=1, strategy.zero=2 or strategy.fsdp=true "
             "(docs/planner.md, 'Sharded memory')",
         ]
-    return out
+    return out + _tp_lines(cfg, plan, module, state, settings, recompute, mine)
+
+
+def _tp_lines(
+    cfg: RunConfig,
+    plan: PipelinePlan,
+    module: Any,
+    state: StateBytes,
+    settings: MemorySettings,
+    recompute: str | None,
+    mine: Any,
+) -> list[str]:
+    """The heaviest pipeline rank on one tensor-parallel rank at each tp of
+    :data:`~lightning_pp.planner.tensor_parallel.TP_CANDIDATES` the world and the model allow
+    (the others with the reason): the same pipeline and microbatch, ``dp = world / (pp x
+    tp)``; ``tp > 1`` unsharded over dp (``zero``/``fsdp`` with tp are not supported yet),
+    tp = 1 with the config's own sharding when the config runs tp = 1."""
+    from lightning_pp.layout.rules import PreflightError
+    from lightning_pp.planner.meta_profile import meta_layers
+    from lightning_pp.planner.plan_memory import compare_shardings
+    from lightning_pp.planner.report import format_tp_table
+    from lightning_pp.planner.sharding import Sharding
+    from lightning_pp.planner.tensor_parallel import TP_CANDIDATES, check_model_tp
+
+    world = plan.world_size
+    if world is None or module is None or not callable(getattr(module, "pipeline_layers", None)):
+        return []
+    layers = meta_layers(module)
+    rows: list[tuple[int, int, Any]] = []
+    known = True
+    for tp in TP_CANDIDATES:
+        if world % (plan.pp * tp):
+            rows.append((tp, 0, f"world {world} % (pp {plan.pp} x tp {tp}) != 0"))
+            continue
+        dp = world // (plan.pp * tp)
+        if tp == plan.tp:
+            rows.append((tp, dp, mine))
+            continue
+        try:
+            note = check_model_tp(module, layers, tp)
+        except PreflightError as err:
+            rows.append((tp, dp, str(err).split(": ")[0]))
+            continue
+        if note is not None:
+            rows.append((tp, dp, "no tensor-parallel hook"))
+            continue
+        at = dataclasses.replace(plan, tp=tp, dp=dp, zero=0, fsdp=False)
+        tensors, costs, _ = _measure(cfg, at, module, state, settings.precision, tp)
+        if tensors is None:
+            rows.append((tp, dp, "not measured"))
+            continue
+        known = known and costs is not None
+        got = compare_shardings(
+            at, tensors, costs, state, recompute=recompute, shardings=[Sharding(dp=dp)]
+        )
+        rows.append((tp, dp, got[0]))
+    limit = settings.limit
+    return [
+        "",
+        f"--- tensor parallel: heaviest pipeline rank on one tp rank, pp={plan.pp} on {world} "
+        f"processes (* this config) ---",
+        *(
+            "  " + line
+            for line in format_tp_table(
+                rows, limit=limit, current=plan.tp, activations=known
+            ).split("\n")
+        ),
+        "  tp shards the attention and MLP Linears, the vocabulary embedding and the head; "
+        "norms, the position",
+        "  embedding and the stage boundary stay whole; tp > 1 runs unsharded over dp "
+        "(docs/planner.md, 'Tensor parallel')",
+        "  choose one with strategy.tp=N (strategy.zero=0, strategy.fsdp=false for N > 1)",
+    ]
 
 
 def _reshard(plan: PipelinePlan, settings: MemorySettings) -> bool:

@@ -41,6 +41,13 @@ def add_search_options(p: argparse.ArgumentParser) -> None:
         help="optimizer-state model: adam|adamw|sgd-momentum|sgd (default: planner.optimizer, "
         "else adam)",
     )
+    both.add_argument(
+        "--tp",
+        type=int,
+        default=None,
+        help="tensor-parallel ranks per stage: the same as the override strategy.tp=N (the dry "
+        "run prints per-rank bytes at it; --search tries tp 1, 2, 4, 8 either way)",
+    )
     g = p.add_argument_group("search (--search)")
     g.add_argument("--search", action="store_true", help="profile, search shapes, recommend one")
     added: list[argparse.Action] = []
@@ -165,6 +172,61 @@ def _bucket_cap_mb(checked: Any) -> float:
     return float(cap) if cap else DEFAULT_BUCKET_CAP_MB
 
 
+def tp_shares(
+    cfg: RunConfig, checked: Any, world: int, state_bytes: Any
+) -> tuple[tuple[int, ...], dict[int, list[Any]], list[str]]:
+    """(the tensor-parallel sizes to search, each layer's share on one tp rank at each
+    ``tp > 1``, a line per size left out and why): every size of
+    :data:`~lightning_pp.planner.tensor_parallel.TP_CANDIDATES` that divides ``world`` and the
+    model's heads, KV heads, hidden, FFN and vocabulary sizes, for a model whose
+    ``pipeline_tensor_parallel`` hook shards its layers; measured on the meta device from one
+    sample (:func:`~lightning_pp.planner.tensor_parallel.tp_layers`)."""
+    import torch
+
+    from lightning_pp.commands.config import instantiate
+    from lightning_pp.layout.rules import PreflightError
+    from lightning_pp.planner.meta_profile import example_input, meta_layers
+    from lightning_pp.planner.tensor_parallel import (
+        TP_CANDIDATES,
+        check_model_tp,
+        record_tp_styles,
+        tp_layers,
+    )
+
+    info = checked.model_info
+    module = None if info is None else info.module
+    if module is None or not callable(getattr(module, "pipeline_layers", None)):
+        return (1,), {}, ["tp: only 1 (the model has no pipeline_layers() to shard)"]
+    layers = meta_layers(module)
+    dtype = {2: torch.bfloat16, 8: torch.float64}.get(getattr(state_bytes, "param", 4))
+    tps, shares, notes = [1], {}, []
+    x0 = None
+    for tp in TP_CANDIDATES[1:]:
+        if world % tp:
+            notes.append(f"tp={tp}: world {world} % tp {tp} = {world % tp}")
+            continue
+        try:
+            note = check_model_tp(module, layers, tp)
+        except PreflightError as err:
+            notes.append(f"tp={tp}: {err}")
+            continue
+        if note is not None:
+            notes.append(f"tp={tp} and more: {note}")
+            break
+        styles = record_tp_styles(module, layers, tp)
+        assert styles is not None
+        try:
+            if x0 is None:
+                x0 = example_input(module, cfg.get("data"), 1, instantiate)
+            cast = [layer.to(dtype) for layer in layers] if dtype is not None else layers
+            shares[tp] = tp_layers(cast, styles, x0, tp)
+        except Exception as err:  # a data module or layer that cannot run on meta: say which
+            notes.append(f"tp={tp}: not measured on the meta device ({type(err).__name__}: {err})")
+            continue
+        tps.append(tp)
+    return tuple(tps), shares, notes
+
+
 def _comm_name(candidate: Any) -> str:
     """What the data-parallel communication of ``candidate`` is."""
     if candidate.fsdp:
@@ -272,6 +334,7 @@ def run_search(cfg: RunConfig, args: argparse.Namespace, command: str = "plan") 
             f"the profile has {profile.num_layers} layers but the model has "
             f"{checked.model_info.num_layers}: profile this config (drop --profile)",
         )
+    tps, shares, tp_notes = tp_shares(cfg, checked, world, state_bytes)
     try:
         result = search(
             profile,
@@ -279,11 +342,14 @@ def run_search(cfg: RunConfig, args: argparse.Namespace, command: str = "plan") 
             global_batch,
             memory_per_device=budget,
             space=SearchSpace(
-                max_microbatches=args.max_microbatches, bucket_cap_mb=_bucket_cap_mb(checked)
+                max_microbatches=args.max_microbatches,
+                bucket_cap_mb=_bucket_cap_mb(checked),
+                tps=tps,
             ),
             optimizer=memory.optimizer,
             cores=cores or None,
             state_bytes=state_bytes,
+            tp_layers=shares,
         )
     except SearchError as err:
         return fail(command, str(err))
@@ -306,6 +372,8 @@ def run_search(cfg: RunConfig, args: argparse.Namespace, command: str = "plan") 
         + (f" in {format_bytes(budget)} ({memory.limit_source})" if budget is not None else "")
         + f", {len(result.over_memory)} over memory, {len(result.rejected)} shapes refused by "
         f"the plan rules) in {result.seconds:.2f} s ({result.cpu_seconds:.2f} s CPU)",
+        f"tensor parallel: tp {', '.join(map(str, tps))} searched"
+        + "".join(f"; {n}" for n in tp_notes),
         "",
         format_table(result.ranked[: max(1, args.top)]),
         "",

@@ -180,10 +180,14 @@ def verify(
     ``config_run``: the config shape's measurement when calibration ran it already."""
     from lightning_pp.planner.verify import VerifyRow, format_verify_table
 
-    todo: list[tuple[str, Any]] = [
-        (f"#{i + 1}", p) for i, p in enumerate(result.ranked[: max(0, args.verify)])
+    top = list(enumerate(result.ranked[: max(0, args.verify)]))
+    todo: list[tuple[str, Any]] = [(f"#{i + 1}", p) for i, p in top if p.candidate.tp == 1]
+    notes = [
+        f"#{i + 1} ({_short(p.candidate)}) is not verified: the verify runs the engine without "
+        f"tensor parallelism"
+        for i, p in top
+        if p.candidate.tp > 1
     ]
-    notes = []
     if shape.candidate is not None:
         same = [label for label, p in todo if p.candidate == shape.candidate]
         if same:

@@ -113,6 +113,8 @@ class PipelinePlan:
     fsdp: bool = False
     #: with ``fsdp``: free gathered parameters after every forward
     reshard_after_forward: bool = False
+    #: tensor-parallel ranks per stage (the innermost mesh dim); the world is pp x dp x tp
+    tp: int = 1
     _layer_params: tuple[int, ...] | None = dataclasses.field(default=None, repr=False)
     _layer_costs: tuple[float, ...] | None = dataclasses.field(default=None, repr=False)
 
@@ -140,6 +142,7 @@ class PipelinePlan:
         zero: int = 0,
         fsdp: bool = False,
         reshard_after_forward: bool = False,
+        tp: int = 1,
         warn: bool = True,
     ) -> PipelinePlan:
         """Check everything whose inputs are given and return the plan.
@@ -160,6 +163,7 @@ class PipelinePlan:
             accumulate_grad_batches=accumulate_grad_batches,
             zero=zero,
             fsdp=fsdp,
+            tp=tp,
         )
         if pp is None:
             if world_size is None:
@@ -169,7 +173,13 @@ class PipelinePlan:
                     key="pp",
                 )
             _positive(world_size=world_size)
-            pp = world_size
+            if world_size % tp:
+                raise PreflightError(
+                    f"pp=None puts every process of a tensor-parallel group in one pipeline: "
+                    f"the world size {world_size} must be a multiple of tp={tp}",
+                    key="tp",
+                )
+            pp = world_size // tp
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", PipelineWarning)
             built = check_schedule_args(schedule, pp, microbatches, vpp, group_size, warn=True)
@@ -206,6 +216,7 @@ class PipelinePlan:
             zero=zero,
             fsdp=fsdp,
             reshard_after_forward=reshard_after_forward,
+            tp=tp,
         )
         if world_size is not None:
             plan = plan.with_world(world_size, dp=dp)
@@ -223,7 +234,7 @@ class PipelinePlan:
 
     def with_world(self, world_size: int, *, dp: int | None = None) -> PipelinePlan:
         """The plan on ``world_size`` processes: checks ``pp`` divides it and sets ``dp``."""
-        dp = check_world(world_size, self.pp, self.dp if dp is None else dp)
+        dp = check_world(world_size, self.pp, self.dp if dp is None else dp, tp=self.tp)
         check_sharding(self.zero, self.fsdp, dp)
         return dataclasses.replace(self, world_size=world_size, dp=dp)
 
@@ -235,7 +246,7 @@ class PipelinePlan:
         try:
             return self.with_world(world_size)
         except PreflightError as e:
-            if e.key not in ("pp", "dp"):
+            if e.key not in ("pp", "dp", "tp"):
                 raise  # e.g. zero=1 with dp=1: its own message says it
             raise PreflightError(
                 f"PipelineStrategy(pp={pp}) does not divide the world size {world_size} "
@@ -343,7 +354,8 @@ class PipelinePlan:
         if self.vpp == 1:
             placement = "one stage per rank"
         lines = [
-            f"pipeline: pp={self.pp} x dp={dp} ({world}), vpp={self.vpp}: "
+            f"pipeline: pp={self.pp} x dp={dp}{f' x tp={self.tp}' if self.tp > 1 else ''} "
+            f"({world}), vpp={self.vpp}: "
             f"{self.num_stages} virtual stages, {placement}",
         ]
         group = f", group size {self.schedule.group_size}" if self.schedule.group_size else ""
@@ -414,6 +426,8 @@ class PipelinePlan:
         return 4 + (4 / dp if self.zero == 2 else 4) + (8 / dp if self.zero else 8)
 
     def _state_note(self) -> str:
+        if self.tp > 1:  # the counts are the whole layers' (tp with zero/fsdp is refused)
+            return f" for the whole layers, before tp={self.tp} cuts them (per tp rank: below)"
         if not (self.zero or self.fsdp):
             return ""
         what = "fsdp" if self.fsdp else f"zero={self.zero}"

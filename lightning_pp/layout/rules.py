@@ -144,6 +144,7 @@ def check_settings(
     zero: int = 0,
     fsdp: bool = False,
     reshard_after_forward: bool = False,
+    tp: int = 1,
 ) -> None:
     """The rules that need no pipeline size: positive counts, a known partition, sane limits,
     and a data-parallel sharding that exists (:func:`check_sharding`, :func:`check_reshard`
@@ -164,6 +165,7 @@ def check_settings(
     _positive_number("watchdog_timeout", watchdog_timeout, "seconds", none_means="disabled")
     check_sharding(zero, fsdp)
     check_reshard(reshard_after_forward, fsdp)
+    check_tensor_parallel(tp, zero, fsdp)
     if isinstance(partition, str):
         if partition not in PARTITION_METHODS:
             close = difflib.get_close_matches(partition, PARTITION_METHODS, n=1)
@@ -179,6 +181,62 @@ def check_settings(
             f"{list(partition)!r}",
             key="partition",
         )
+
+
+def check_tensor_parallel(tp: Any, zero: Any = 0, fsdp: Any = False) -> None:
+    """``tp`` is a positive int; with ``tp > 1`` the data-parallel sharding is plain
+    replication for now (``zero`` and ``fsdp`` are refused, naming the setting)."""
+    _positive(tp=tp)
+    if tp > 1 and (zero or fsdp):
+        what = "fsdp=True" if fsdp else f"zero={zero}"
+        raise PreflightError(
+            f"tp={tp} with {what}: sharding the optimizer or the parameters over the "
+            f"data-parallel replicas inside a tensor-parallel group is not supported yet; use "
+            f"tp={tp} with zero=0 and fsdp=False (plain data-parallel replicas), or {what} with "
+            f"tp=1",
+            key="tp",
+        )
+
+
+def check_tp_sizes(tp: int, **sizes: int | None) -> None:
+    """Every size that tensor parallelism cuts divides by ``tp``: the attention heads
+    (``heads``) and KV heads (``kv_heads``: each tp rank computes whole heads), the hidden and
+    FFN widths (``hidden``, ``ffn``: equal column/row shards) and the vocabulary (``vocab``:
+    the vocabulary-parallel embedding and head). ``None`` sizes are not checked. The error
+    names every size that does not divide and, for the vocabulary, the padded size.
+
+    Example:
+        >>> check_tp_sizes(4, heads=64, kv_heads=8, hidden=8192, ffn=28672, vocab=32000)
+        >>> try:
+        ...     check_tp_sizes(8, heads=12, hidden=768, vocab=50257)
+        ... except PreflightError as e:
+        ...     print(e.key, str(e).split(":")[0])
+        tp tp=8 does not divide the model's heads=12, vocab=50257
+    """
+    _positive(tp=tp)
+    if tp == 1:
+        return
+    bad = {k: v for k, v in sizes.items() if isinstance(v, int) and v % tp}
+    if not bad:
+        return
+    named = ", ".join(f"{k}={v}" for k, v in bad.items())
+    fixes = []
+    if set(bad) - {"vocab"}:
+        shared = [v for k, v in sizes.items() if isinstance(v, int) and k != "vocab"]
+        ok = [t for t in (1, 2, 4, 8, 16) if all(v % t == 0 for v in shared)]
+        fixes.append(f"use a tp that divides them ({ok})")
+    if "vocab" in bad:
+        padded = -(-bad["vocab"] // tp) * tp
+        fixes.append(
+            f"pad the vocabulary to a multiple of {tp} (vocab {bad['vocab']} -> {padded}: "
+            f"the extra rows are never a target)"
+        )
+    raise PreflightError(
+        f"tp={tp} does not divide the model's {named}: tensor parallelism gives every tp "
+        f"rank whole heads and an equal share of the hidden, FFN and vocabulary sizes; "
+        + " or ".join(fixes),
+        key="tp",
+    )
 
 
 def check_sharding(zero: Any, fsdp: Any, dp: int | None = None) -> None:
@@ -322,12 +380,25 @@ def check_split_settings(
         )
 
 
-def check_world(world_size: int, pp: int, dp: int | None = None) -> int:
-    """Check ``world_size == pp * dp`` (``dp`` inferred when ``None``); return ``dp``.
+def check_world(world_size: int, pp: int, dp: int | None = None, tp: int = 1) -> int:
+    """Check ``world_size == pp * dp * tp`` (``dp`` inferred when ``None``); return ``dp``.
 
     ``world_size`` is ``num_nodes * devices`` (every process of the job).
     """
-    _positive(world_size=world_size, pp=pp)
+    _positive(world_size=world_size, pp=pp, tp=tp)
+    if tp > 1:
+        if dp is not None:
+            _positive(dp=dp)
+        if world_size % (pp * tp) or (dp is not None and pp * dp * tp != world_size):
+            given = f" * dp({dp})" if dp is not None else ""
+            fits = [d for d in _divisors(world_size) if world_size % (d * tp) == 0]
+            raise PreflightError(
+                f"pp({pp}){given} * tp({tp}) does not divide the world size {world_size} "
+                f"(num_nodes x devices): the world is pp x dp x tp; with tp={tp}, pp must be "
+                f"one of {fits} (world % (pp * tp) = {world_size % (pp * tp)})",
+                key="tp",
+            )
+        return world_size // (pp * tp)
     if dp is not None:
         _positive(dp=dp)
         if pp * dp != world_size:

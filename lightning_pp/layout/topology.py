@@ -1,13 +1,15 @@
-"""World -> (pp, dp) grid, pipeline neighbours, the job's DeviceMesh and its process groups.
+"""World -> (pp, dp, tp) grid, pipeline neighbours, the job's DeviceMesh and its process groups.
 
-Layout: pipeline-parallel is the OUTERMOST dimension (Megatron order)::
+Layout: pipeline-parallel is the OUTERMOST dimension, tensor-parallel the innermost (Megatron and
+torchtitan order)::
 
-    global_rank = pp_rank * dp + dp_rank
+    global_rank = (pp_rank * dp + dp_rank) * tp + tp_rank
 
-so the ``dp`` replicas of one stage are adjacent global ranks. Launchers hand out adjacent ranks
-to the devices of one node, which keeps the data-parallel gradient all-reduce (large: every
-parameter, every step) inside a node on the fast interconnect, while only the pipeline's
-point-to-point traffic (small: one activation per microbatch) crosses node boundaries.
+so the ``tp`` ranks of one stage are neighbouring global ranks (one node's devices: the tensor-
+parallel collectives run in every layer, forward and backward, and need the fastest links), then
+the ``dp`` replicas of one stage (the gradient reduction: every parameter, once a step), while
+only the pipeline's point-to-point traffic (one activation per microbatch) crosses nodes. A rank
+exchanges activations with the rank of the SAME ``(dp_rank, tp_rank)`` on the neighbouring stage.
 
 Example:
     >>> topo = PipelineTopology.from_world(world_size=8, rank=5, pp=4)
@@ -17,6 +19,9 @@ Example:
     ([1, 3, 5, 7], [4, 5])
     >>> topo.prev_rank, topo.next_rank
     (3, 7)
+    >>> tp = PipelineTopology.from_world(world_size=8, rank=5, pp=2, tp=2)
+    >>> (tp.pp_rank, tp.dp_rank, tp.tp_rank, tp.tp_ranks, tp.next_rank)
+    (1, 0, 1, [4, 5], 1)
 """
 
 from __future__ import annotations
@@ -31,60 +36,70 @@ __all__ = [
     "DP_DIM",
     "MESH_DIMS",
     "PP_DIM",
+    "TP_DIM",
     "PipelineTopology",
     "ProcessGroups",
     "build_process_groups",
 ]
 
-#: mesh dim names: Lightning's ``ModelParallelStrategy`` names (``"data_parallel"``, and
-#: ``"tensor_parallel"`` to come, innermost), plus ``"pipeline_parallel"`` outermost
-PP_DIM, DP_DIM = "pipeline_parallel", "data_parallel"
-MESH_DIMS = (PP_DIM, DP_DIM)
+#: mesh dim names: Lightning's ``ModelParallelStrategy`` names (``"data_parallel"``,
+#: ``"tensor_parallel"`` innermost), plus ``"pipeline_parallel"`` outermost
+PP_DIM, DP_DIM, TP_DIM = "pipeline_parallel", "data_parallel", "tensor_parallel"
+MESH_DIMS = (PP_DIM, DP_DIM, TP_DIM)
 
 
 @dataclass(frozen=True)
 class PipelineTopology:
-    """Where one rank sits in the ``pp x dp`` grid. Validates the numbers on construction."""
+    """Where one rank sits in the ``pp x dp x tp`` grid. Validates the numbers on
+    construction."""
 
     world_size: int
     pp: int
     dp: int
     rank: int
+    tp: int = 1
 
     def __post_init__(self) -> None:
-        check_positive(world_size=self.world_size, pp=self.pp, dp=self.dp)
-        if self.pp * self.dp != self.world_size:
+        check_positive(world_size=self.world_size, pp=self.pp, dp=self.dp, tp=self.tp)
+        if self.pp * self.dp * self.tp != self.world_size:
             raise ValueError(
-                f"pp({self.pp}) * dp({self.dp}) != world_size({self.world_size}): "
-                f"the pipeline and data-parallel sizes must multiply to the number of processes"
+                f"pp({self.pp}) * dp({self.dp}) * tp({self.tp}) != world_size({self.world_size}):"
+                f" the pipeline, data- and tensor-parallel sizes must multiply to the number of "
+                f"processes"
             )
         if not isinstance(self.rank, int) or not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank({self.rank}) must lie in [0, world_size({self.world_size}))")
 
     @classmethod
     def from_world(
-        cls, world_size: int, rank: int, pp: int, dp: int | None = None
+        cls, world_size: int, rank: int, pp: int, dp: int | None = None, tp: int = 1
     ) -> PipelineTopology:
-        """Build the topology, inferring ``dp = world_size // pp`` when not given."""
+        """Build the topology, inferring ``dp = world_size // (pp * tp)`` when not given."""
         if dp is None:
-            check_positive(pp=pp)
-            if world_size % pp != 0:
+            check_positive(pp=pp, tp=tp)
+            if world_size % (pp * tp) != 0:
                 raise ValueError(
-                    f"world_size({world_size}) is not divisible by pp({pp}): cannot infer dp "
-                    f"(world_size % pp = {world_size % pp})"
+                    f"world_size({world_size}) is not divisible by pp({pp}) * tp({tp}) = "
+                    f"{pp * tp}: cannot infer dp (world_size % {pp * tp} = "
+                    f"{world_size % (pp * tp)})"
                 )
-            dp = world_size // pp
-        return cls(world_size=world_size, pp=pp, dp=dp, rank=rank)
+            dp = world_size // (pp * tp)
+        return cls(world_size=world_size, pp=pp, dp=dp, rank=rank, tp=tp)
 
     @property
     def pp_rank(self) -> int:
         """Pipeline stage index of this rank (0 = first stage)."""
-        return self.rank // self.dp
+        return self.rank // (self.dp * self.tp)
 
     @property
     def dp_rank(self) -> int:
         """Index of this rank among its stage's data-parallel replicas."""
-        return self.rank % self.dp
+        return (self.rank // self.tp) % self.dp
+
+    @property
+    def tp_rank(self) -> int:
+        """Index of this rank in its stage's tensor-parallel group."""
+        return self.rank % self.tp
 
     @property
     def is_first_stage(self) -> bool:
@@ -94,14 +109,19 @@ class PipelineTopology:
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.pp - 1
 
-    def global_rank(self, pp_rank: int, dp_rank: int | None = None) -> int:
-        """Global rank of stage ``pp_rank`` in replica ``dp_rank`` (default: this rank's)."""
+    def global_rank(
+        self, pp_rank: int, dp_rank: int | None = None, tp_rank: int | None = None
+    ) -> int:
+        """Global rank of stage ``pp_rank`` in replica ``dp_rank`` at tensor-parallel index
+        ``tp_rank`` (``None``: this rank's)."""
         d = self.dp_rank if dp_rank is None else dp_rank
-        if not 0 <= pp_rank < self.pp or not 0 <= d < self.dp:
+        t = self.tp_rank if tp_rank is None else tp_rank
+        if not (0 <= pp_rank < self.pp and 0 <= d < self.dp and 0 <= t < self.tp):
             raise ValueError(
-                f"(pp_rank={pp_rank}, dp_rank={d}) outside grid pp={self.pp}, dp={self.dp}"
+                f"(pp_rank={pp_rank}, dp_rank={d}, tp_rank={t}) outside grid pp={self.pp}, "
+                f"dp={self.dp}, tp={self.tp}"
             )
-        return pp_rank * self.dp + d
+        return (pp_rank * self.dp + d) * self.tp + t
 
     @property
     def pipeline_ranks(self) -> list[int]:
@@ -114,6 +134,23 @@ class PipelineTopology:
         return [self.global_rank(self.pp_rank, d) for d in range(self.dp)]
 
     @property
+    def tp_ranks(self) -> list[int]:
+        """Global ranks sharing this rank's stage and replica (its tensor-parallel group)."""
+        return [self.global_rank(self.pp_rank, self.dp_rank, t) for t in range(self.tp)]
+
+    def stage_lists(self, pp_ranks: list[int]) -> tuple[list[list[int]], int]:
+        """The global ranks of stages ``pp_ranks`` in every ``(dp, tp)`` coordinate, one list
+        each (every rank must create a group for every list, in the same order), and the index
+        of this rank's coordinate among them: the groups of a weight whose copies live on
+        several stages (tied embedding and head)."""
+        lists = [
+            [self.global_rank(r, d, t) for r in pp_ranks]
+            for d in range(self.dp)
+            for t in range(self.tp)
+        ]
+        return lists, self.dp_rank * self.tp + self.tp_rank
+
+    @property
     def prev_rank(self) -> int:
         """Global rank of the previous stage; wraps (stage 0's previous is stage pp-1)."""
         return self.global_rank((self.pp_rank - 1) % self.pp)
@@ -124,12 +161,16 @@ class PipelineTopology:
         return self.global_rank((self.pp_rank + 1) % self.pp)
 
     def all_pipelines(self) -> list[list[int]]:
-        """Every pipeline's global ranks (one list per dp replica)."""
-        return [[p * self.dp + d for p in range(self.pp)] for d in range(self.dp)]
+        """Every pipeline's global ranks (one list per ``(dp, tp)`` coordinate)."""
+        return self.stage_lists(list(range(self.pp)))[0]
 
     def all_dp_groups(self) -> list[list[int]]:
-        """Every stage's replica ranks (one list per pp stage)."""
-        return [[p * self.dp + d for d in range(self.dp)] for p in range(self.pp)]
+        """Every stage's replica ranks (one list per ``(pp, tp)`` coordinate)."""
+        return [
+            [self.global_rank(p, d, t) for d in range(self.dp)]
+            for p in range(self.pp)
+            for t in range(self.tp)
+        ]
 
 
 @dataclass
@@ -137,9 +178,10 @@ class ProcessGroups:
     """The process groups this rank takes part in.
 
     ``pp_group`` links this rank's pipeline (point-to-point traffic and the loss broadcast);
-    ``dp_group`` links the replicas of this rank's stage (gradient all-reduce). Both are the
-    groups of :attr:`mesh`, the job's ``DeviceMesh`` (dims ``"pipeline_parallel"`` outermost,
-    then ``"data_parallel"``), when it was built with one.
+    ``dp_group`` links the replicas of this rank's stage (gradient all-reduce); ``tp_group``
+    the tensor-parallel ranks of this rank's stage and replica. All are the groups of
+    :attr:`mesh`, the job's ``DeviceMesh`` (dims ``"pipeline_parallel"`` outermost, then
+    ``"data_parallel"``, then ``"tensor_parallel"``), when it was built with one.
     """
 
     topology: PipelineTopology
@@ -148,6 +190,7 @@ class ProcessGroups:
     timeout: timedelta | None = None
     #: the job's ``torch.distributed.device_mesh.DeviceMesh`` (``None`` for hand-made groups)
     mesh: Any = None
+    tp_group: Any = None
     _extra: dict[tuple[tuple[int, ...], ...], Any] = field(default_factory=dict, repr=False)
 
     def new_groups(self, rank_lists: list[list[int]]) -> Any:
@@ -174,15 +217,17 @@ class ProcessGroups:
 def build_process_groups(
     topo: PipelineTopology, timeout: timedelta | None = None, device_type: str = "cpu"
 ) -> ProcessGroups:
-    """Create the job's ``DeviceMesh`` (``pp`` x ``dp``, named :data:`MESH_DIMS`) and take the
-    pp and dp groups from it; every rank must call this, in the same order.
+    """Create the job's ``DeviceMesh`` (``pp`` x ``dp`` x ``tp``, named :data:`MESH_DIMS`) and
+    take the pp, dp and tp groups from it; every rank must call this, in the same order.
 
     Requires ``torch.distributed`` to be initialized with ``world_size == topo.world_size``.
     A dim that spans the whole world reuses the default group (no new communicator).
     ``device_type``: the mesh's (``"cpu"``, ``"cuda"``), for the DTensors built on it.
 
-    The mesh's rank order is the topology's: ``global_rank = pp_rank * dp + dp_rank`` is the
-    row-major index of ``(pp_rank, dp_rank)`` in a ``(pp, dp)`` array.
+    The mesh's rank order is the topology's: ``global_rank = (pp_rank * dp + dp_rank) * tp +
+    tp_rank`` is the row-major index of ``(pp_rank, dp_rank, tp_rank)`` in a ``(pp, dp, tp)``
+    array. The ``tensor_parallel`` dim is there at ``tp=1`` too (size 1), so model hooks read
+    ``self.device_mesh["tensor_parallel"]`` whatever the shape.
     """
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
@@ -196,7 +241,7 @@ def build_process_groups(
         )
     import torch
 
-    ranks = torch.arange(topo.world_size).reshape(topo.pp, topo.dp)
+    ranks = torch.arange(topo.world_size).reshape(topo.pp, topo.dp, topo.tp)
     mesh = DeviceMesh(device_type, ranks, mesh_dim_names=MESH_DIMS)
     return ProcessGroups(
         topology=topo,
@@ -204,4 +249,5 @@ def build_process_groups(
         dp_group=mesh.get_group(DP_DIM),
         timeout=timeout,
         mesh=mesh,
+        tp_group=mesh.get_group(TP_DIM),
     )

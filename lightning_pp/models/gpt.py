@@ -107,6 +107,9 @@ class GPT(PipelineMixin, L.LightningModule):
     Optimiser: AdamW (weight decay on matrices only) with linear warmup then cosine decay.
     """
 
+    #: the transformer block (a subclass swaps it: :class:`~lightning_pp.models.decoder.DecoderLM`)
+    block_class: type[nn.Module] = Block
+
     def __init__(
         self,
         vocab_size: int = 256,
@@ -135,7 +138,8 @@ class GPT(PipelineMixin, L.LightningModule):
         h = self.hparams
         n = h.n_layer
         builders = [lambda: Embedding(h.vocab_size, h.block_size, h.n_embd, h.dropout)]
-        builders += [lambda: Block(h.n_embd, h.n_head, h.dropout, n) for _ in range(n)]
+        block = self.block_class
+        builders += [lambda: block(h.n_embd, h.n_head, h.dropout, n) for _ in range(n)]
         builders += [lambda: Head(h.vocab_size, h.n_embd)]
         self.layers = PipelineLayers(
             builders, seed=h.seed, tied=[("0.wte.weight", f"{n + 1}.head.weight")]

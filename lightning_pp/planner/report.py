@@ -20,7 +20,13 @@ from .memory import RankMemory
 from .plan_memory import ShardingMemory
 from .search import Prediction
 
-__all__ = ["chosen_config", "format_memory_table", "format_sharding_table", "format_table"]
+__all__ = [
+    "chosen_config",
+    "format_memory_table",
+    "format_sharding_table",
+    "format_table",
+    "format_tp_table",
+]
 
 
 def _grid(rows: Sequence[Sequence[str]], right: set[int]) -> str:
@@ -131,6 +137,37 @@ def format_sharding_table(
             cells.append("yes" if row.fits(limit) else "NO")
         out.append(tuple(cells))
     return _grid(out, set(range(1, 9)))
+
+
+def format_tp_table(
+    rows: Sequence[tuple[int, int, ShardingMemory | str]],
+    *,
+    limit: int | None = None,
+    current: int | None = None,
+    activations: bool = True,
+) -> str:
+    """One row per tensor-parallel size ``(tp, dp, memory or why not)``: the heaviest pipeline
+    rank's peak by part on one tp rank, its sharding, and whether it fits in ``limit`` bytes
+    (``current``: the config's tp, marked ``*``).
+
+    Example:
+        >>> print(format_tp_table([(8, 0, "heads=12")], limit=80 << 30))
+        tp  dp  sharding  rank  params  grads  master  optimizer  activations  peak  fits 80.00 GiB
+        --  --  --------  ----  ------  -----  ------  ---------  -----------  ----  --------------
+         8   -  -            -       -      -       -          -            -     -  heads=12
+    """
+    head = ["tp", "dp", "sharding", "rank", "params", "grads", "master", "optimizer"]
+    head += ["activations", "peak", f"fits {format_bytes(limit)}" if limit is not None else ""]
+    out = [tuple(head)]
+    for tp, dp, row in rows:
+        mark = f"{tp} *" if tp == current else str(tp)
+        if isinstance(row, str):
+            out.append((mark, str(dp) if dp else "-", *["-"] * 8, row))
+            continue
+        m = row.heaviest
+        fits = "" if limit is None else ("yes" if row.fits(limit) else "NO")
+        out.append((mark, str(dp), row.label, str(m.rank), *_state_cells(m, activations), fits))
+    return _grid(out, {0, 1, 3, 4, 5, 6, 7, 8, 9})
 
 
 def chosen_config(data: dict[str, Any], chosen: Prediction, *, world: int) -> dict[str, Any]:

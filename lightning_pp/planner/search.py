@@ -4,8 +4,10 @@
 **What is enumerated** (every combination the plan's rules accept; :class:`SearchSpace`):
 ``dp x pp = world`` (``pp <= layers``, ``dp`` dividing the global batch); ``vpp`` in
 ``{1, 2, 4}`` where ``pp * vpp <= layers`` (``vpp > 1`` only for ``pp > 1``); microbatches
-dividing the per-replica batch; the schedules (``gpipe``, ``1f1b``, ``zb-h1`` at ``vpp = 1``;
-``gpipe``, ``interleaved``, ``zbv`` at ``vpp = 2``; ``gpipe``, ``interleaved`` at ``vpp = 4``;
+dividing the per-replica batch; the schedules (``gpipe``, ``1f1b``, ``zb-h1``, ``zb-auto`` at
+``vpp = 1``; ``gpipe``, ``interleaved``, ``zbv``, ``zb-auto`` at ``vpp = 2``, ``zb-auto`` built
+for each candidate from that candidate's own simulated costs (:func:`costed_schedule`);
+``gpipe``, ``interleaved`` at ``vpp = 4``;
 only ``1f1b`` at ``pp = 1``, where every schedule runs the same actions); recompute ``None`` or
 ``"full"``; the layer split ``uniform`` or ``cost`` (balanced by measured ``t_f + t_i + t_w``;
 dropped when it equals the uniform one); with ``dp > 1``, the data-parallel sharding: none,
@@ -59,8 +61,9 @@ import dataclasses
 import itertools
 import math
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from ..layout.partition import partition_layers
 from ..layout.plan import PipelinePlan
@@ -73,12 +76,16 @@ from ..layout.rules import (
     check_sharding,
     check_world,
 )
-from ..schedules import Action, Costs, Op, receives
+from ..schedules import Action, Costs, Op, receives, zb_auto
+from ..schedules.auto import POLICIES
 from .fastsim import CompiledSchedule
 from .memory import RankMemory, profile_state_bytes, rank_memory, with_states
 from .profile import LayerCost, ModelProfile
 from .recompute import inflight_profile
 from .sharding import DEFAULT_BUCKET_CAP_MB, Sharding, StateBytes, rank_state_bytes
+
+if TYPE_CHECKING:
+    from .tensor_parallel import TpLayer
 
 __all__ = [
     "Candidate",
@@ -101,11 +108,11 @@ __all__ = [
 
 #: schedules tried per chunks-per-rank (``vpp``); the order is also the tie-break order
 SCHEDULES_BY_VPP: dict[int, tuple[str, ...]] = {
-    1: ("1f1b", "zb-h1", "gpipe"),
-    2: ("interleaved", "zbv", "gpipe"),
+    1: ("1f1b", "zb-h1", "zb-auto", "gpipe"),
+    2: ("interleaved", "zbv", "zb-auto", "gpipe"),
     4: ("interleaved", "gpipe"),
 }
-_SCHEDULE_ORDER = ("1f1b", "zb-h1", "interleaved", "zbv", "gpipe")
+_SCHEDULE_ORDER = ("1f1b", "zb-h1", "interleaved", "zbv", "zb-auto", "gpipe")
 
 
 class SearchError(ValueError):
@@ -122,7 +129,7 @@ class SearchSpace:
     """
 
     vpps: tuple[int, ...] = (1, 2, 4)
-    schedules: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")
+    schedules: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "zb-auto")
     recomputes: tuple[str | None, ...] = (None, "full")
     splits: tuple[str, ...] = ("uniform", "cost")
     max_microbatches: int | None = 64
@@ -131,6 +138,10 @@ class SearchSpace:
     shardings: tuple[str, ...] = ("none", "zero=1", "fsdp")
     #: the gradient bucket size the ``zero`` padding follows (PipelineStrategy's default)
     bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB
+    #: tensor-parallel sizes tried (``tp > 1`` needs the layers' tp shares: ``search(...,
+    #: tp_layers=...)``, :mod:`lightning_pp.planner.tensor_parallel`); ``world % (pp x tp)``
+    #: must be 0
+    tps: tuple[int, ...] = (1,)
 
 
 @dataclass(frozen=True)
@@ -150,6 +161,8 @@ class Candidate:
     batch_size: int  # per data-parallel replica
     zero: int = 0
     fsdp: bool = False
+    #: tensor-parallel ranks per stage (the world is dp x pp x tp)
+    tp: int = 1
 
     @property
     def microbatch_size(self) -> float:
@@ -166,7 +179,8 @@ class Candidate:
 
     @property
     def shape(self) -> str:
-        return f"{self.dp}x{self.pp}x{self.vpp}"
+        """``dp x pp x vpp`` (``2x2x1``), with ``tp2`` after it when ``tp > 1``."""
+        return f"{self.dp}x{self.pp}x{self.vpp}" + (f" tp{self.tp}" if self.tp > 1 else "")
 
     def key(self) -> tuple[object, ...]:
         """A stable total order for ties."""
@@ -181,6 +195,7 @@ class Candidate:
             self.counts,
             self.fsdp,
             self.zero,
+            self.tp,
         )
 
     def strategy_settings(self) -> dict[str, object]:
@@ -194,6 +209,7 @@ class Candidate:
             "recompute": self.recompute,
             "zero": self.zero,
             "fsdp": self.fsdp,
+            "tp": self.tp,
         }
 
 
@@ -407,6 +423,33 @@ class _Timing:
     pipeline: float  # the makespan, or more under oversubscription
 
 
+def costed_schedule(
+    profile: ModelProfile, candidate: Candidate, plan: PipelinePlan, layers: Sequence[LayerCost]
+) -> PipelinePlan:
+    """``plan`` with its ``zb-auto`` schedule rebuilt from this candidate's own simulated costs
+    (its layer split and recompute, the profile's per-action overhead, receive cost and hop
+    latency: :func:`step_costs`), at the memory of 1F1B's peak; any other schedule unchanged.
+    A computed schedule is a function of the costs, so each candidate gets its own."""
+    if plan.schedule.name != "zb-auto":
+        return plan
+    costs = step_costs(plan, layers, candidate.recompute, profile, split=True)
+    s = plan.schedule
+    # The search ranks zb-h1 and zbv as candidates of their own, so the build skips its
+    # handcrafted fallback, and runs the one policy that wins most often: a search builds one
+    # schedule per candidate (hundreds), the strategy one per run (with every policy, from the
+    # measured costs), so the prediction errs on the slow side.
+    built = zb_auto(
+        s.pp,
+        s.microbatches,
+        vpp=s.vpp,
+        costs=costs,
+        placement=s.placement,
+        policies=POLICIES[:1],
+        compare_handcrafted=False,
+    )
+    return dataclasses.replace(plan, schedule=built)
+
+
 def _pipeline_timing(
     profile: ModelProfile,
     candidate: Candidate,
@@ -423,7 +466,7 @@ def _pipeline_timing(
         busy = [b - profile.receive_s * n for b, n in zip(busy, compiled.receives)]
     compute = sum(busy)
     bubble = (makespan * len(busy) - compute) / compute if compute > 0 else 0.0
-    pipeline = oversubscribed_seconds(makespan, busy, candidate.dp, cores)
+    pipeline = oversubscribed_seconds(makespan, busy, candidate.dp * candidate.tp, cores)
     return _Timing(makespan, bubble, pipeline)
 
 
@@ -488,7 +531,9 @@ def predict(
             sharding=candidate.sharding(),
             state_bytes=state_bytes,
         )
-    compiled = compiled or CompiledSchedule(plan.schedule)
+    if compiled is None:
+        plan = costed_schedule(profile, candidate, plan, layers)
+        compiled = CompiledSchedule(plan.schedule)
     timing = _pipeline_timing(profile, candidate, plan, layers, compiled, cores)
     return _finish(profile, candidate, timing, memory, state_bytes)
 
@@ -517,7 +562,7 @@ def oversubscribed_seconds(
 
 
 def _base_plans(
-    profile: ModelProfile, world: int, global_batch: int, space: SearchSpace
+    profile: ModelProfile, world: int, global_batch: int, space: SearchSpace, tp: int = 1
 ) -> Iterator[tuple[int, PipelinePlan | None, str, str]]:
     """(dp, plan without layers or None, description, refusal) for every shape/schedule/m.
 
@@ -526,9 +571,12 @@ def _base_plans(
     also simulates a warning text for every ``microbatches < pp`` (a search keeps those
     shapes and ranks them by their simulated bubble anyway)."""
     n = profile.num_layers
-    for pp in _divisors(world):
-        dp = world // pp
-        where = f"dp={dp} x pp={pp}"
+    if world % tp:
+        yield 0, None, f"tp={tp}", f"world {world} % tp {tp} = {world % tp}"
+        return
+    for pp in _divisors(world // tp):
+        dp = world // (pp * tp)
+        where = f"dp={dp} x pp={pp}" + (f" x tp={tp}" if tp > 1 else "")
         if pp > n:
             yield dp, None, where, f"pp={pp} > {n} layers (every stage needs a layer)"
             continue
@@ -545,8 +593,8 @@ def _base_plans(
                         continue
                     what = f"{where} vpp={vpp} m={m} {name}"
                     try:
-                        check_world(world, pp, dp)
-                        plan = _checked_plan(world, pp, dp, per, name, m, vpp)
+                        check_world(world, pp, dp, tp=tp)
+                        plan = _checked_plan(world, pp, dp, per, name, m, vpp, tp)
                     except PreflightError as err:
                         yield dp, None, what, str(err)
                         continue
@@ -554,7 +602,14 @@ def _base_plans(
 
 
 def _checked_plan(
-    world: int, pp: int, dp: int, per: int, schedule: str, microbatches: int, vpp: int | None
+    world: int,
+    pp: int,
+    dp: int,
+    per: int,
+    schedule: str,
+    microbatches: int,
+    vpp: int | None,
+    tp: int = 1,
 ) -> PipelinePlan:
     """The plan of one shape after the schedule's and the batch's rules (the world's is the
     caller's), without layers; raises :class:`PreflightError`."""
@@ -568,6 +623,7 @@ def _checked_plan(
         world_size=world,
         dp=dp,
         batch_size=per,
+        tp=tp,
     )
 
 
@@ -588,9 +644,10 @@ def _splits(
     return out
 
 
-def _shardings(dp: int, space: SearchSpace) -> list[Sharding]:
-    """The shardings tried for ``dp`` replicas (only none for one replica)."""
-    labels = [x for x in space.shardings if dp > 1] or ["none"]
+def _shardings(dp: int, space: SearchSpace, tp: int = 1) -> list[Sharding]:
+    """The shardings tried for ``dp`` replicas (only none for one replica, and with ``tp > 1``,
+    which the plan's rules do not combine with ``zero``/``fsdp`` yet)."""
+    labels = [x for x in space.shardings if dp > 1 and tp == 1] or ["none"]
     return [Sharding.parse(x, dp=dp, bucket_cap_mb=space.bucket_cap_mb) for x in labels]
 
 
@@ -604,13 +661,16 @@ def search(
     optimizer: str = "adam",
     cores: int | None = None,
     state_bytes: StateBytes | None = None,
+    tp_layers: Mapping[int, Sequence[TpLayer]] | None = None,
 ) -> SearchResult:
     """Rank every valid candidate for ``world`` processes and a global batch of
     ``global_batch`` samples per optimizer step (``cores``: the CPU cores the processes share,
     when they are CPU processes: see :func:`oversubscribed_seconds`; ``None``: one device
     each; ``state_bytes``: bytes per parameter of each training state, e.g.
     ``StateBytes.for_precision("bf16-true")``; default: the profile's dtype, no master
-    weight, ``optimizer``'s state).
+    weight, ``optimizer``'s state; ``tp_layers[tp]``: each layer's share on one of ``tp``
+    tensor-parallel ranks, for every ``tp > 1`` of ``space.tps``, see
+    :func:`~lightning_pp.planner.tensor_parallel.tp_layer_cost`).
 
     Raises:
         SearchError: no valid shape for ``world`` (naming why each ``pp`` failed and the nearest
@@ -623,24 +683,40 @@ def search(
     over: list[Prediction] = []
     rejected: list[tuple[str, str]] = []
     considered = 0
-    layers_at: dict[float, list[LayerCost]] = {}
-    splits_of: dict[tuple[int, int, float], list[tuple[str, tuple[int, ...]]]] = {}
-    for dp, plan, what, why in _base_plans(profile, world, global_batch, space):
+    layers_at: dict[tuple[float, int], list[LayerCost]] = {}
+    splits_of: dict[tuple[int, int, float, int], list[tuple[str, tuple[int, ...]]]] = {}
+    tps = [t for t in space.tps if t == 1 or (tp_layers and t in tp_layers)]
+    rejected += [
+        (f"tp={t}", "no tensor-parallel shares of the layers (tp_layers)")
+        for t in space.tps
+        if t not in tps
+    ]
+    shapes = (
+        (tp, *base) for tp in tps for base in _base_plans(profile, world, global_batch, space, tp)
+    )
+    for tp, dp, plan, what, why in shapes:
         if plan is None:
             rejected.append((what, why))
             continue
         per = global_batch // dp
         size = per / plan.microbatches
-        if size not in layers_at:  # scaling a profile costs a copy per layer: once per size
-            layers_at[size] = profile.layers(size)
-        layers = layers_at[size]
-        shape = (plan.pp, plan.vpp, size)
+        if (size, tp) not in layers_at:  # scaling a profile copies every layer: once per size
+            whole = profile.layers(size)
+            if tp > 1:
+                from .tensor_parallel import tp_layer_cost
+
+                assert tp_layers is not None
+                bw, lat = profile.bandwidth, profile.latency_s
+                whole = [tp_layer_cost(c, t, size, lat, bw) for c, t in zip(whole, tp_layers[tp])]
+            layers_at[(size, tp)] = whole
+        layers = layers_at[(size, tp)]
+        shape = (plan.pp, plan.vpp, size, tp)
         if shape not in splits_of:  # the cost split's exact balancing: once per shape and size
             splits_of[shape] = _splits(layers, plan, space)
         compiled: CompiledSchedule | None = None  # compiled on first use: over-memory skip it
         inflight = [inflight_profile(plan.schedule, r) for r in range(plan.pp)]
         states = state_bytes or profile_state_bytes(layers, optimizer)
-        shardings = _shardings(dp, space)
+        shardings = _shardings(dp, space, tp)
         for (split, counts), recompute in itertools.product(splits_of[shape], space.recomputes):
             laid = _with_counts(plan, counts, profile.num_layers)
             base = memory_of(laid, layers, recompute, optimizer, inflight, state_bytes=states)
@@ -661,6 +737,7 @@ def search(
                     per,
                     zero=sharding.zero,
                     fsdp=sharding.fsdp,
+                    tp=tp,
                 )
                 if memory_per_device is not None and max(m.total for m in memory) > (
                     memory_per_device
@@ -670,6 +747,9 @@ def search(
                     )
                     continue
                 if timing is None:
+                    if plan.schedule.name == "zb-auto":  # built from this candidate's costs
+                        laid = costed_schedule(profile, cand, laid, layers)
+                        compiled = CompiledSchedule(laid.schedule)
                     compiled = compiled or CompiledSchedule(plan.schedule)
                     timing = _pipeline_timing(profile, cand, laid, layers, compiled, cores)
                 fits.append(_finish(profile, cand, timing, memory, states))
@@ -764,7 +844,8 @@ def describe_shape(c: Candidate) -> str:
     """``dp=2 x pp=2 x vpp=1, microbatches=4, schedule 1f1b, split cost (3 3), recompute none``
     (and ``, sharding zero=1`` for a sharded candidate)."""
     text = (
-        f"dp={c.dp} x pp={c.pp} x vpp={c.vpp}, microbatches={c.microbatches}, schedule "
+        f"dp={c.dp} x pp={c.pp} x vpp={c.vpp}{f' x tp={c.tp}' if c.tp > 1 else ''}, "
+        f"microbatches={c.microbatches}, schedule "
         f"{c.schedule}, split {c.split} ({' '.join(map(str, c.counts))}), recompute "
         f"{c.recompute or 'none'}"
     )

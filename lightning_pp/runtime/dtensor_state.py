@@ -22,7 +22,14 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-__all__ = ["DTensorOptimizer", "like", "local_part", "module_state_like"]
+__all__ = [
+    "DTensorOptimizer",
+    "counted_once_here",
+    "like",
+    "local_part",
+    "match_grad_placements",
+    "module_state_like",
+]
 
 
 def local_part(t: Tensor) -> Tensor:
@@ -33,6 +40,38 @@ def local_part(t: Tensor) -> Tensor:
         return t
     with torch.no_grad():
         return to_local()
+
+
+def match_grad_placements(params: Any) -> None:
+    """Lay each ``DTensor`` parameter's gradient out as the parameter itself.
+
+    DTensor's backward rules choose the gradient's placements, not the parameter's: a
+    vocabulary-parallel embedding (weight ``Shard(0)``) gets a ``Replicate`` gradient, the whole
+    table on every tensor-parallel rank. Everything after the backward reads local parts and
+    expects them to match the parameter's shard: the data-parallel buckets, the tied-weight sum
+    across stages (the embedding's local part must be the same rows as the head's) and the
+    global norm, which would count a replicated gradient once per tp rank. ``Replicate`` or
+    ``Shard`` to ``Shard`` is a local slice (no communication); a ``Partial`` gradient is
+    reduced over the mesh here, on every rank of it alike (same parameters, same order)."""
+    from torch.distributed.tensor import DTensor
+
+    with torch.no_grad():
+        for p in params:
+            g = p.grad
+            if isinstance(p, DTensor) and isinstance(g, DTensor) and g.placements != p.placements:
+                p.grad = g.redistribute(p.device_mesh, p.placements)
+
+
+def counted_once_here(param: Tensor, tp_rank: int) -> bool:
+    """Whether this rank's local part of ``param`` is counted in a sum over the tensor-parallel
+    ranks (a global norm): a part sharded over tp is distinct on every tp rank and counts
+    everywhere; a whole tensor (a LayerNorm's weight) or a ``Replicate`` DTensor is the same on
+    every tp rank and counts on tp rank 0 only (torchtitan#596 counted such norms tp times)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(param, DTensor) and any(pl.is_shard() for pl in param.placements):
+        return True
+    return tp_rank == 0
 
 
 def like(current: Any, value: Any) -> Any:

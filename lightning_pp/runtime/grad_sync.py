@@ -24,8 +24,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
-from .dtensor_state import local_part
+from .dtensor_state import local_part, match_grad_placements
 from .failure import monitored_wait
 
 __all__ = [
@@ -56,7 +57,7 @@ def _buckets(params: Sequence[nn.Parameter], cap_bytes: int) -> list[list[nn.Par
     current: list[nn.Parameter] = []
     size = 0
     for p in params:
-        nbytes = p.numel() * p.element_size()
+        nbytes = local_part(p).numel() * p.element_size()
         compatible = not current or (current[0].dtype == p.dtype and current[0].device == p.device)
         if current and (size + nbytes > cap_bytes or not compatible):
             out.append(current)
@@ -107,6 +108,9 @@ class DeferredGradSync:
                 if first == c:
                     seen.add(id(p))
                     owned[c].append(p)
+        self._chunk_params = [list(ps) for ps in chunk_params]
+        #: tensor-parallel (DTensor) parameters: their gradients are laid out as they are first
+        self._tensor_parallel = any(isinstance(p, DTensor) for ps in chunk_params for p in ps)
         cap = max(1, int(bucket_cap_mb * 1024 * 1024))
         self.chunk_buckets: list[list[list[nn.Parameter]]] = [_buckets(ps, cap) for ps in owned]
         self._pending: list[tuple[Any, Tensor, list[nn.Parameter]]] = []
@@ -124,6 +128,8 @@ class DeferredGradSync:
 
     def on_chunk_grads_ready(self, chunk: int) -> None:
         """Engine hook: chunk ``chunk`` has run its last backward of the step."""
+        if self._tensor_parallel and chunk not in self._launched:
+            match_grad_placements(self._chunk_params[chunk])
         if not self.enabled or self.dp_size == 1 or chunk in self._launched:
             return
         if not self._launched:
@@ -132,9 +138,10 @@ class DeferredGradSync:
             self.events.clear()
         self._launched.add(chunk)
         for b, bucket in enumerate(self.chunk_buckets[chunk]):
+            # Local parts: a tensor-parallel DTensor's shard is what its replicas share.
             flat = torch.cat(
                 [
-                    (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                    local_part(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
                     for p in bucket
                 ]
             )
@@ -162,12 +169,11 @@ class DeferredGradSync:
             )
             offset = 0
             for p in bucket:
-                n = p.numel()
-                view = flat[offset : offset + n].view_as(p)
                 if p.grad is None:
-                    p.grad = view.clone()
-                else:
-                    p.grad.copy_(view)
+                    p.grad = torch.zeros_like(p)
+                grad = local_part(p.grad)
+                n = grad.numel()
+                grad.copy_(flat[offset : offset + n].view_as(grad))
                 offset += n
         self._pending.clear()
         self._launched.clear()
@@ -205,7 +211,10 @@ class TiedParameterSync:
     def broadcast_weights(self) -> None:
         with torch.no_grad():
             for g in self.groups:
-                work = dist.broadcast(g.param.data, src=g.owner_rank, group=g.group, async_op=True)
+                # A tensor-parallel copy is a DTensor: every copy is cut the same way (checked
+                # where the tie is built), so the owner's shard goes to the same shard.
+                local = local_part(g.param.data)
+                work = dist.broadcast(local, src=g.owner_rank, group=g.group, async_op=True)
                 monitored_wait(
                     [work],
                     f"in the tied-weight broadcast of {g.names[0]} from rank {g.owner_rank}",
@@ -251,7 +260,7 @@ def tied_parameter_sync(
         pp_ranks, owner = placement.tied_ranks(layer_of(n) for n in names)
         if len(pp_ranks) < 2:
             continue
-        lists = [[topology.global_rank(r, d) for r in pp_ranks] for d in range(topology.dp)]
+        lists, mine = topology.stage_lists(list(pp_ranks))
         group = groups.new_groups(lists)  # collective: every rank creates every group
         local = [n for n in names if layer_of(n) in layers]
         if local:
@@ -260,7 +269,7 @@ def tied_parameter_sync(
                     names=tuple(names),
                     param=layers.get_parameter(local[0]),
                     owner_rank=topology.global_rank(owner),
-                    ranks=lists[topology.dp_rank],
+                    ranks=lists[mine],
                     group=group,
                 )
             )

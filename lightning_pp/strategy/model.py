@@ -243,6 +243,13 @@ class PipelineLayers(nn.Module):
                 module_path, _, attr = name.rpartition(".")
                 setattr(self.get_submodule(module_path), attr, owner)
 
+    def retie(self) -> None:
+        """Make the local members of every tied group one ``Parameter`` again, the first
+        member's: after a transform that replaced parameters module by module (tensor
+        parallelism swaps each in a new ``DTensor``), a tie held on one rank (V placement's
+        embedding and head) would otherwise become two independent weights."""
+        self._tie_local()
+
     def tied_owner(self, group: Sequence[str]) -> str:
         """The name whose layer initialises a tied group (the first listed)."""
         return group[0]
@@ -350,6 +357,34 @@ class PipelineMixin:
     def pipeline_layer_costs(self) -> list[float] | None:
         """Optional relative compute cost per layer for ``partition="cost"``."""
         return None
+
+    def pipeline_tensor_parallel(self, layer: nn.Module, index: int, tp_mesh: Any) -> None:
+        """Shard one built layer over the stage's tensor-parallel ranks (``tp > 1`` only).
+
+        Called by :class:`~lightning_pp.strategy.PipelineStrategy` at setup, once for every
+        layer this rank holds (``index``: its original layer index), with
+        ``tp_mesh = self.device_mesh["tensor_parallel"]``, before the optimizer exists, as a
+        ``ModelParallelStrategy`` user parallelizes in ``configure_model``. Apply
+        ``torch.distributed.tensor.parallel.parallelize_module`` to ``layer`` in place. Keep
+        each layer's OUTPUT a plain tensor, replicated over the tp ranks (``use_local_output``,
+        the default of torch's styles, after a rowwise layer): that tensor is what the stage
+        sends to the next one. Never called in plain, unpipelined training.
+
+        Example::
+
+            def pipeline_tensor_parallel(self, layer, index, tp_mesh):
+                if isinstance(layer, Block):
+                    parallelize_module(layer, tp_mesh, {
+                        "attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(),
+                        "attn.v": ColwiseParallel(), "attn.o": RowwiseParallel(),
+                        "mlp.up": ColwiseParallel(), "mlp.down": RowwiseParallel()})
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__} is trained with tp > 1 but does not implement "
+            f"pipeline_tensor_parallel(layer, index, tp_mesh): the strategy cannot know how to "
+            f"shard its layers. Implement it (apply parallelize_module to each layer; see "
+            f"docs/strategy.md 'Tensor parallel'), or train with tp=1"
+        )
 
     def pipeline_eval_step(self, output: Any, batch: Any, split: str) -> dict[str, Tensor]:
         """Scalar metrics of one evaluation batch, computed from the last layer's output.

@@ -26,6 +26,7 @@ Example::
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Generator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
@@ -66,13 +67,14 @@ from ..layout.rules import (
 )
 from ..layout.topology import PipelineTopology, ProcessGroups, build_process_groups
 from ..runtime.distributed_optimizer import ShardedGradSync
-from ..runtime.dtensor_state import DTensorOptimizer
+from ..runtime.dtensor_state import DTensorOptimizer, counted_once_here
 from ..runtime.errors import DEFAULT_WATCHDOG_TIMEOUT, PipelineAborted, report_failure
 from ..runtime.fsdp_chunks import FsdpGradSync, reshard_chunks, unmix_foreach
 from ..runtime.grad_sync import DeferredGradSync, TiedParameterSync
 from ..runtime.recompute import select_targets, selective_units
 from ..schedules import chunks_per_rank
 from . import eval_step
+from .auto_schedule import rebuild_from_first_step
 from .engine_build import (
     LossScale,
     build_engine,
@@ -88,16 +90,20 @@ from .preflight import check_module, check_recompute_targets, meta_view
 from .process_group import ProcessGroupStrategy, StartMethod
 from .split_build import SplitPipeline
 from .stage_build import LayerBuild
+from .tensor_parallel import TpPlan, check_tp_plan_setting, shard_stage, tensor_parallel_mesh
 from .train_step import TrainStep, clip_grad_by_global_norm
 
 __all__ = ["PipelineStrategy"]
+
+log = logging.getLogger("lightning_pp.strategy")
 
 
 class PipelineStrategy(ProcessGroupStrategy):
     """Pipeline-parallel (Megatron-style schedules) x data-parallel training.
 
-    The world of ``num_nodes x devices`` processes is a ``pp x dp`` grid (``dp = world / pp``,
-    pipeline outermost: global rank ``= pp_rank * dp + dp_rank``). The module's
+    The world of ``num_nodes x devices`` processes is a ``pp x dp x tp`` grid (``dp = world /
+    (pp * tp)``, pipeline outermost, tensor parallel innermost: global rank ``= (pp_rank * dp +
+    dp_rank) * tp + tp_rank``). The module's
     :class:`~lightning_pp.strategy.model.PipelineLayers` are cut into ``pp * vpp`` chunks; each
     rank builds
     and runs only the chunks the schedule places on it (:mod:`lightning_pp.layout.placement`).
@@ -111,7 +117,9 @@ class PipelineStrategy(ProcessGroupStrategy):
         microbatches: microbatches per batch; default ``pp`` (the smallest count that fills the
             pipeline; raise it to shrink the bubble ``(pp - 1) / (vpp * m)``).
         schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved"``, or the zero-bubble ``"zb-h1"``
-            (vpp 1) and ``"zbv"`` (exactly 2 chunks per rank in V placement); default
+            (vpp 1) and ``"zbv"`` (exactly 2 chunks per rank in V placement), or ``"zb-auto"``
+            (computed from costs measured on the first batch; V placement by default, loop
+            for ``vpp=1``; see :mod:`lightning_pp.strategy.auto_schedule`); default
             ``"1f1b"`` when ``vpp`` is unset or 1 and ``"interleaved"`` otherwise.
         partition: ``"uniform"``, ``"parameters"``, ``"cost"`` or a list of per-stage layer counts.
         group_size: interleaved schedule's microbatch group size (default ``pp``).
@@ -167,6 +175,14 @@ class PipelineStrategy(ProcessGroupStrategy):
         reshard_after_forward: with ``fsdp``, free each chunk's gathered parameters after
             every forward (one all-gather per microbatch: for memory-bound runs); default
             ``False`` keeps them gathered for the whole step.
+        tp: tensor-parallel ranks per stage (the innermost dim of the job's mesh, so a
+            stage's tp group is neighbouring ranks: one node's devices). The world is
+            ``pp x dp x tp``. Each local layer is sharded at setup: a ``PipelineLayers`` model
+            by its ``pipeline_tensor_parallel`` hook, a ``split=`` model by ``tp_plan``. See
+            docs/strategy.md "Tensor parallel".
+        tp_plan: with ``split=`` and ``tp > 1``: ``"auto"`` applies the Hugging Face model's
+            own plan (``base_model_tp_plan`` and the head's ``_tp_plan``) to the modules this
+            rank holds; a dict ``{module pattern: style}`` is applied instead.
         overlap_param_gather: with ``zero``, leave the all-gather of the updated parameters
             running after the optimizer step; each bucket is finished by the first forward
             that reads it (Megatron's ``overlap_param_gather``). Parameter values read between
@@ -211,6 +227,8 @@ class PipelineStrategy(ProcessGroupStrategy):
         fsdp: bool = False,
         reshard_after_forward: bool = False,
         overlap_param_gather: bool = False,
+        tp: int = 1,
+        tp_plan: TpPlan = None,
     ) -> None:
         super().__init__(
             start_method=start_method,
@@ -230,6 +248,8 @@ class PipelineStrategy(ProcessGroupStrategy):
         self.release_outputs = release_outputs
         self.bucket_cap_mb = bucket_cap_mb
         self.zero, self.fsdp = zero, fsdp
+        check_tp_plan_setting(tp_plan, split)
+        self.tp, self.tp_plan = tp, tp_plan
         self.reshard_after_forward = reshard_after_forward
         if not isinstance(overlap_param_gather, bool) or (overlap_param_gather and not zero):
             raise PreflightError(
@@ -273,6 +293,8 @@ class PipelineStrategy(ProcessGroupStrategy):
         self.loss_scale = LossScale()
         self._train: TrainStep | None = None
         self._recompute_plan: Any = None
+        #: schedule="zb-auto": the schedule rebuilt from the first step's costs (auto_schedule)
+        self.auto_schedule: Any = None
         self._eval: eval_step.ForwardOnly | None = None
         self._unclipped_precision: Precision | None = None
         #: under ``fsdp``: parameters FSDP2 leaves whole (shared by two local chunks)
@@ -305,9 +327,10 @@ class PipelineStrategy(ProcessGroupStrategy):
 
     @property
     def device_mesh(self) -> DeviceMesh:
-        """The job's ``DeviceMesh``: dims ``"pipeline_parallel"`` (outermost) and
-        ``"data_parallel"``, as Lightning's ``ModelParallelStrategy`` names them; every process
-        group of the run comes from it (after ``setup_environment``)."""
+        """The job's ``DeviceMesh``: dims ``"pipeline_parallel"`` (outermost),
+        ``"data_parallel"`` and ``"tensor_parallel"`` (innermost; size 1 at ``tp=1``), the
+        last two as Lightning's ``ModelParallelStrategy`` names them; every process group of
+        the run comes from it (after ``setup_environment``)."""
         groups = self.layout.groups
         if groups is None or groups.mesh is None:
             raise RuntimeError(
@@ -330,8 +353,8 @@ class PipelineStrategy(ProcessGroupStrategy):
     # ------------------------------------------------------------------ sizes and devices
     @property
     def pp(self) -> int:
-        """Pipeline stages; resolved to the world size when constructed with ``pp=None``."""
-        return self._pp if self._pp is not None else self.world_size
+        """Pipeline stages; resolved to ``world size / tp`` when constructed with ``pp=None``."""
+        return self._pp if self._pp is not None else self.world_size // self.tp
 
     @property
     def vpp(self) -> int:
@@ -342,7 +365,7 @@ class PipelineStrategy(ProcessGroupStrategy):
 
     @property
     def dp(self) -> int:
-        return self.world_size // self.pp
+        return self.world_size // (self.pp * self.tp)
 
     @property
     def microbatches(self) -> int:
@@ -358,10 +381,11 @@ class PipelineStrategy(ProcessGroupStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        """Shard data over data-parallel replicas only: all stages of a pipeline see one batch."""
+        """Shard data over data-parallel replicas only: all stages of a pipeline (and all tp
+        ranks of a stage) see one batch."""
         if self.topology is not None:
             return {"num_replicas": self.topology.dp, "rank": self.topology.dp_rank}
-        return {"num_replicas": self.dp, "rank": self.global_rank % self.dp}
+        return {"num_replicas": self.dp, "rank": (self.global_rank // self.tp) % self.dp}
 
     # ------------------------------------------------------------------ rules
     # Every validity rule the strategy applies, through its PipelinePlan (lightning_pp.layout.plan
@@ -377,6 +401,7 @@ class PipelineStrategy(ProcessGroupStrategy):
             "zero",
             "fsdp",
             "reshard_after_forward",
+            "tp",
         )
         return {
             **{name: getattr(self, name) for name in names},
@@ -402,7 +427,7 @@ class PipelineStrategy(ProcessGroupStrategy):
         if self.num_processes == 0:
             return  # not connected to a Trainer yet
         world = self.world_size
-        plan = self.plan or PipelinePlan.build(pp=world, **self._settings())
+        plan = self.plan or PipelinePlan.build(pp=max(1, world // self.tp), **self._settings())
         self.plan = plan.on_trainer_world(
             world, pp=self._pp, num_nodes=self.num_nodes, devices=self.num_processes
         )
@@ -435,7 +460,7 @@ class PipelineStrategy(ProcessGroupStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()  # the default process group
-        topo = PipelineTopology.from_world(self.world_size, self.global_rank, self.pp)
+        topo = PipelineTopology.from_world(self.world_size, self.global_rank, self.pp, tp=self.tp)
         self.layout.topology = topo
         self.layout.groups = build_process_groups(
             topo, timeout=self._timeout, device_type=self.root_device.type
@@ -464,6 +489,8 @@ class PipelineStrategy(ProcessGroupStrategy):
         self.precision_plugin.convert_module(module)
         self.model_to_device()
         assert self.plan is not None and self.placement is not None
+        if self.tp > 1:  # before the chunks, the tied groups and the optimizer read parameters
+            self._shard_tensor_parallel(module)
         self.chunks = list(self.stage_build.chunks)
         self.tied_sync = self.stage_build.tied_sync(layout)
         self.tied_sync.broadcast_weights()  # the copies start from the owner's values
@@ -523,6 +550,19 @@ class PipelineStrategy(ProcessGroupStrategy):
         if self.is_global_zero:
             log_start(self.plan, self.engine, self.grad_sync, self.bucket_cap_mb)
 
+    def _shard_tensor_parallel(self, module: Any) -> None:
+        """``tp > 1``: cut this rank's layers over its stage's tp ranks
+        (:func:`~lightning_pp.strategy.tensor_parallel.shard_stage`)."""
+        what = shard_stage(
+            module,
+            tensor_parallel_mesh(self.device_mesh),
+            split=self.split_pipeline,
+            tp_plan=self.tp_plan,
+            rank=self.global_rank,
+        )
+        if self.is_global_zero:
+            log.info(f"tensor parallel: tp={self.tp}, {what}")
+
     def _check_recompute_targets(self) -> None:
         """``recompute`` selects something in the model (the pre-flight's rule,
         :func:`~lightning_pp.strategy.preflight.check_recompute_targets`): layer indices from
@@ -569,6 +609,13 @@ class PipelineStrategy(ProcessGroupStrategy):
         under ``zero`` the optimizer's parameters are rows, distinct on every rank, so the
         squares are summed over the whole world, tied copies' rows counted once."""
         sync, tied = self.grad_sync, self.tied_sync
+        topo = self.layout.need_topology()
+        if topo.tp > 1:  # shards over tp: sum every rank's squares, each value counted once
+            skip = tied.non_owner_params()
+            for p in params:
+                if topo.dp_rank != 0 or not counted_once_here(p, topo.tp_rank):
+                    skip.add(id(p))  # a replica's copy, or a tp-replicated weight off tp rank 0
+            return clip_sharded_by_global_norm(params, max_norm, skip=skip)
         if isinstance(sync, ShardedGradSync):
             return clip_sharded_by_global_norm(params, max_norm, skip=sync.grad_norm_skip(tied))
         if isinstance(sync, FsdpGradSync):
@@ -589,6 +636,9 @@ class PipelineStrategy(ProcessGroupStrategy):
         loss = self._train.run(self.lightning_module, self.precision_plugin, args, kwargs)
         self.last_record = self._train.record
         self._recompute_plan = self._train.recompute_plan or self._recompute_plan
+        if self.schedule_name == "zb-auto" and self.auto_schedule is None and self.last_record:
+            # the first step was the profiling step: rebuild the order from its measured costs
+            self.auto_schedule = rebuild_from_first_step(self.engine, self.layout, self.last_record)
         return loss
 
     # ------------------------------------------------------------------ evaluation, prediction
@@ -653,7 +703,7 @@ class PipelineStrategy(ProcessGroupStrategy):
         sync = self.grad_sync
         if isinstance(sync, ShardedGradSync):
             return [sync.unsharded_view(o) for o in optimizers]
-        if isinstance(sync, FsdpGradSync):  # DTensor moments: loaded whole, cut into shards
+        if isinstance(sync, FsdpGradSync) or self.tp > 1:  # DTensor moments: loaded whole, cut
             return [DTensorOptimizer(o) for o in optimizers]
         return list(optimizers)
 
@@ -674,7 +724,12 @@ class PipelineStrategy(ProcessGroupStrategy):
             checkpoint,
             self.broadcast(str(filepath)),
             module=self.lightning_module,
-            layout={**placement.layout(), "dp": topo.dp, "world_size": self.world_size},
+            layout={
+                **placement.layout(),
+                "dp": topo.dp,
+                "tp": topo.tp,
+                "world_size": self.world_size,
+            },
             canonical=self._stored_names(),
         )
 

@@ -60,7 +60,7 @@ from ..autosplit.materialize import (
 )
 from ..autosplit.split import SplitError, SplitLayout, StagedModel
 from ..layout.rank_layout import RankLayout
-from ..layout.rules import split_cost_partition_message
+from ..layout.rules import PreflightError, split_cost_partition_message
 from ..runtime.grad_sync import TiedGroup, TiedParameterSync
 from ..runtime.microbatch import batch_size_of, batch_size_or_none, split_microbatches
 from . import eval_step
@@ -307,7 +307,7 @@ class SplitPipeline:
             if len(pp_ranks) < 2:
                 continue
             owner = schedule.locate(staged.layout.stage_of(names[0]))[0]
-            lists = [[topo.global_rank(r, d) for r in pp_ranks] for d in range(topo.dp)]
+            lists, mine = topo.stage_lists(pp_ranks)
             group = groups.new_groups(lists)  # collective: every rank creates every group
             if names in local:
                 out.append(
@@ -315,11 +315,25 @@ class SplitPipeline:
                         names=names,
                         param=local[names].param,
                         owner_rank=topo.global_rank(owner),
-                        ranks=lists[topo.dp_rank],
+                        ranks=lists[mine],
                         group=group,
                     )
                 )
         return TiedParameterSync(out)
+
+    def refuse_local_ties(self, tp: int) -> None:
+        """``tp > 1``: tied weights (``tie_word_embeddings``) are refused for now, naming them:
+        the model's plan cuts the embedding and the head each on its own, which would split
+        one weight into two (a ``PipelineLayers`` model ties a vocabulary-parallel embedding
+        to a column-wise head: :class:`~lightning_pp.models.decoder.DecoderLM`)."""
+        assert self.staged is not None
+        ties = [names for names, _ in self.staged.all_ties()]
+        if ties:
+            raise PreflightError(
+                f"tp={tp} with split=: tied weights {ties} are not supported yet under tensor "
+                f"parallelism (set tie_word_embeddings=False in the model's config, or tp=1)",
+                key="tp",
+            )
 
     def canonical_names(self) -> dict[str, str]:
         """Tied member name -> the tie's first name (what a checkpoint stores it under)."""

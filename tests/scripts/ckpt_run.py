@@ -10,9 +10,9 @@ A phase: {"name", "pp", "vpp", "microbatches", "max_steps", "every" (save every 
 "ckpt_dir"), "resume" (ckpt_path for fit), "best_dir" (ModelCheckpoint on val_loss, top-1),
 "fail_rank"/"fail_save" (that rank dies inside its Nth checkpoint data write), "async" (save in
 the background: ``PipelineStrategy(async_checkpoint=True)``), "zero" (the distributed
-optimizer), "fsdp" (FSDP2 per chunk)}. ``"pp": 0`` runs
-the plain single-process Trainer (no strategy); with ``"pipeline_io": true`` it gets
-``plugins=[PipelineCheckpointIO()]`` (resume from a pipeline checkpoint directory).
+optimizer), "fsdp" (FSDP2 per chunk), "tp" (tensor parallel), "model" (pp_common.MODELS)}.
+``"pp": 0`` runs the plain single-process Trainer (no strategy); with ``"pipeline_io": true``
+it gets ``plugins=[PipelineCheckpointIO()]`` (resume from a pipeline checkpoint directory).
 Output: DIR/<name>.rank<r>.json.
 """
 
@@ -31,10 +31,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import lightning as L  # noqa: E402
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
-from pp_common import GLOBAL_BATCH, MODEL_KW, Data, Recorder, configs_main, dump  # noqa: E402
+from pp_common import GLOBAL_BATCH, Data, Recorder, configs_main, dump, make_model  # noqa: E402
 
 from lightning_pp import PipelineStrategy  # noqa: E402
-from lightning_pp.models import GPT  # noqa: E402
 
 EPOCH_BATCHES = 5  # checkpoints at step 5 fall on an epoch boundary: plain loaders resume exactly
 
@@ -95,8 +94,9 @@ def run_phase(spec: dict, out: str, devices: int) -> dict:
             async_checkpoint=bool(spec.get("async")),
             zero=spec.get("zero", 0),
             fsdp=spec.get("fsdp", False),
+            tp=spec.get("tp", 1),
         )
-        dp = world // spec["pp"]
+        dp = world // (spec["pp"] * spec.get("tp", 1))
     rec, lrs = Recorder(), LRProbe()
     callbacks: list[Callback] = [rec, lrs]
     every = None
@@ -133,7 +133,8 @@ def run_phase(spec: dict, out: str, devices: int) -> dict:
     )
     if "fail_save" in spec:
         _inject_failure(trainer.global_rank, spec["fail_rank"], spec["fail_save"])
-    trainer.fit(GPT(**MODEL_KW), EpochData(dp), ckpt_path=spec.get("resume"))
+    model = make_model(spec.get("model", "gpt"))
+    trainer.fit(model, EpochData(dp), ckpt_path=spec.get("resume"))
     result = {
         "rank": trainer.global_rank,
         "train_loss": rec.train_loss,

@@ -16,7 +16,7 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from lightning_pp.models import GPT
+from lightning_pp.models import GPT, DecoderLM
 
 VOCAB, BLOCK = 32, 8
 GLOBAL_BATCH = 8
@@ -33,6 +33,14 @@ MODEL_KW = dict(
     seed=7,
 )
 STEPS = 10  # optimizer steps per run
+#: the models a configuration's ``"model"`` names: GPT (fused qkv), and the same GPT with
+#: separate q/k/v projections that tensor parallelism can shard (lightning_pp.models.decoder)
+MODELS = {"gpt": GPT, "decoder": DecoderLM}
+
+
+def make_model(name: str = "gpt") -> L.LightningModule:
+    """The tests' model ``name`` (:data:`MODELS`) with :data:`MODEL_KW`."""
+    return MODELS[name](**MODEL_KW)
 
 
 class Progressions(Dataset):
@@ -143,11 +151,11 @@ class GradNormProbe(Callback):
         self.norms.append(float(torch.cat(grads).norm()))
 
 
-def run_reference(accumulate: int, ckpt_dir: str) -> dict[str, Any]:
-    """The same module under a plain single-process Trainer."""
+def run_reference(accumulate: int, ckpt_dir: str, model: str = "gpt") -> dict[str, Any]:
+    """The same module (:func:`make_model`) under a plain single-process Trainer."""
     rec, norms = Recorder(), GradNormProbe()
     trainer = make_trainer("auto", 1, accumulate, ckpt_dir, [rec, norms])
-    trainer.fit(GPT(**MODEL_KW), Data(dp=1, accumulate=accumulate))
+    trainer.fit(make_model(model), Data(dp=1, accumulate=accumulate))
     return {
         "train_loss": rec.train_loss,
         "val": rec.val,
@@ -172,6 +180,33 @@ def load_runs(out: Any, configs: list[dict], size: int) -> dict[str, list[dict]]
         ]
         for c in configs
     }
+
+
+def rel_errors(got: list[float], want: list[float]) -> list[float]:
+    """Relative error of each value of ``got`` against ``want`` (same length)."""
+    assert len(got) == len(want), (len(got), len(want))
+    return [abs(g - w) / abs(w) for g, w in zip(got, want)]
+
+
+def mismatches(ranks: list[dict], ref: dict, tol: float) -> list[str]:
+    """What a ``pp_run`` run's ranks logged differently from the reference beyond ``tol``
+    (relative): the train loss, the validation loss and accuracy, the clipping's gradient norm
+    and the best checkpoint. Empty: the run is the reference's."""
+    bad = []
+    for d in ranks:
+        errs = rel_errors(d["train_loss"], ref["train_loss"])
+        if max(errs) > tol:
+            bad.append(f"rank {d['rank']}: train loss relative errors {max(errs):.2e}")
+        for key in ("val_loss", "val_acc"):
+            errs = rel_errors([v[key] for v in d["val"]], [v[key] for v in ref["val"]])
+            if max(errs) > tol:
+                bad.append(f"rank {d['rank']}: {key} relative errors {max(errs):.2e}")
+        errs = rel_errors(d["grad_norm"], ref["grad_norm"])
+        if max(errs) > tol:
+            bad.append(f"rank {d['rank']}: gradient norm relative errors {max(errs):.2e}")
+        if d["best"] != ref["best"]:
+            bad.append(f"rank {d['rank']}: best checkpoint {d['best']} != {ref['best']}")
+    return bad
 
 
 def tensor_digest(t: torch.Tensor) -> str:

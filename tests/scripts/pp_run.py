@@ -25,19 +25,18 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch.distributed as dist  # noqa: E402
 from lightning.pytorch.callbacks import Callback  # noqa: E402
 from pp_common import (  # noqa: E402
-    MODEL_KW,
     STEPS,
     Data,
     Recorder,
     configs_main,
     dump,
+    make_model,
     make_trainer,
     tensor_digest,
 )
 
 from lightning_pp import PipelineStrategy  # noqa: E402
 from lightning_pp.callbacks import ModelStateMemoryMonitor, PipelineTimeline  # noqa: E402
-from lightning_pp.models import GPT  # noqa: E402
 from lightning_pp.runtime.dtensor_state import local_part  # noqa: E402
 from lightning_pp.schedules import Op  # noqa: E402
 
@@ -147,10 +146,21 @@ class _DpGroupProbe(Callback):
         strategy_dp_group[0] = trainer.strategy.groups.dp_group
 
 
+def _plant_tp_norm_everywhere() -> None:
+    """Planted bug (torchtitan#596): the clipping's norm counts a weight replicated over the tp
+    ranks (a LayerNorm) on every tp rank instead of once."""
+    import lightning_pp.strategy.pipeline_strategy as strategy_module
+
+    strategy_module.counted_once_here = lambda param, tp_rank: True
+
+
 def _remove_plant() -> None:
     import lightning_pp.runtime.distributed_optimizer as zero_module
+    import lightning_pp.strategy.pipeline_strategy as strategy_module
+    from lightning_pp.runtime.dtensor_state import counted_once_here
 
     zero_module.dist = dist  # the shared worlds run other cases in this process next
+    strategy_module.counted_once_here = counted_once_here
 
 
 def _mesh(strategy, model) -> dict:
@@ -164,6 +174,7 @@ def _mesh(strategy, model) -> dict:
         "module_sees_it": model.device_mesh is mesh,
         "pp_group": groups.pp_group is mesh.get_group("pipeline_parallel"),
         "dp_group": groups.dp_group is mesh.get_group("data_parallel"),
+        "tp_group": groups.tp_group is mesh.get_group("tensor_parallel"),
     }
 
 
@@ -179,6 +190,15 @@ def _sharding(strategy) -> dict:
     }
 
 
+def _tp_sharded(p) -> bool:
+    """A weight cut over the tensor-parallel ranks (a DTensor with a Shard placement on a mesh
+    named "tensor_parallel"; FSDP2's shards are on "data_parallel")."""
+    mesh = getattr(p, "device_mesh", None)
+    if mesh is None or mesh.mesh_dim_names != ("tensor_parallel",):
+        return False
+    return any(pl.is_shard() for pl in p.placements)
+
+
 def run(cfg: dict, devices: int, out: str) -> None:
     name = cfg["name"]
     strategy = PipelineStrategy(
@@ -192,9 +212,12 @@ def run(cfg: dict, devices: int, out: str) -> None:
         reshard_after_forward=cfg.get("reshard_after_forward", False),
         overlap_param_gather=cfg.get("overlap_param_gather", False),
         recompute=cfg.get("recompute"),
+        tp=cfg.get("tp", 1),
     )
     if cfg.get("plant") == "no_average":
         _plant_summed_reduce_scatter()
+    if cfg.get("plant") == "tp_norm_everywhere":
+        _plant_tp_norm_everywhere()
     # the global gradient norm the strategy's clipping computes, per optimizer step
     norms: list[float] = []
     clip = strategy._clip
@@ -206,7 +229,7 @@ def run(cfg: dict, devices: int, out: str) -> None:
 
     strategy._clip = recorded_clip
     world = int(os.environ.get("WORLD_SIZE", devices))
-    dp = world // cfg["pp"]
+    dp = world // (cfg["pp"] * cfg.get("tp", 1))
     rec, probe = Recorder(), SyncProbe()
     # what each rank holds after the last step, measured from the tensors
     held = ModelStateMemoryMonitor(every_n_steps=STEPS)
@@ -223,7 +246,7 @@ def run(cfg: dict, devices: int, out: str) -> None:
         precision=cfg.get("precision", "32-true"),
         num_nodes=max(1, world // devices),
     )
-    model = GPT(**MODEL_KW)
+    model = make_model(cfg.get("model", "gpt"))
     try:
         trainer.fit(model, Data(dp=dp, accumulate=cfg["accumulate"]))
     finally:
@@ -266,6 +289,13 @@ def run(cfg: dict, devices: int, out: str) -> None:
                 }.values()
             ),
             "param_bytes": sum(p.numel() * p.element_size() for p in local),
+            # tensor parallel: the weights cut over tp, as allocated here (the local shards'
+            # storages) and as the whole model holds them
+            "tp_sharded_bytes": sum(
+                local_part(p).untyped_storage().nbytes() for p in params if _tp_sharded(p)
+            ),
+            "tp_whole_bytes": sum(p.numel() * p.element_size() for p in params if _tp_sharded(p)),
+            "tp_rank": strategy.topology.tp_rank,
             "num_storages": len(storages),
             "tied": tied,
             "sync": probe.steps,
@@ -273,6 +303,16 @@ def run(cfg: dict, devices: int, out: str) -> None:
             "grad_norm": norms,
             "sharding": _sharding(strategy),
             "mesh": _mesh(strategy, model),
+            # schedule="zb-auto": what the first step's measured costs rebuilt (else None)
+            "auto_schedule": None
+            if strategy.auto_schedule is None
+            else {
+                "text": strategy.auto_schedule.text,
+                # the engine is gone after fit; the plan it was given the schedule with stays
+                "plan_has_it": getattr(strategy.plan, "schedule", None)
+                is strategy.auto_schedule.schedule,
+                "overrides": len(strategy.auto_schedule.costs.overrides),
+            },
         },
     )
     # every rank finished writing before the next configuration reuses the process group

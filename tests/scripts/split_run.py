@@ -4,7 +4,8 @@ group (start-up paid once); write per-rank JSON and a sharded checkpoint per con
     torchrun --nproc_per_node 4 tests/scripts/split_run.py --out DIR --configs '[{...}, ...]'
 
 Each config: {"name", "model", "split", "pp", "vpp", "microbatches", optional "schedule",
-"accumulate", "precision", "clip", "zero", "fsdp", "build" ("configure_model" | "init"),
+"accumulate", "precision", "clip", "zero", "fsdp", "tp", "tp_plan", "build" ("configure_model" |
+"init"),
 "resume" (name of an earlier config whose checkpoint this one loads, at its own shape, and only
 validates), "eval" (also run trainer.test and trainer.predict)}.
 """
@@ -38,9 +39,11 @@ def run(cfg: dict, devices: int, out: str) -> None:
         split=cfg["split"],
         zero=cfg.get("zero", 0),
         fsdp=cfg.get("fsdp", False),
+        tp=cfg.get("tp", 1),
+        tp_plan=cfg.get("tp_plan"),
     )
     world = int(os.environ.get("WORLD_SIZE", devices))
-    dp = world // cfg["pp"]
+    dp = world // (cfg["pp"] * cfg.get("tp", 1))
     L.seed_everything(cfg.get("seed", 0), verbose=False)
     losses = Losses()
     trainer = make_trainer(strategy, devices, cfg, [losses])
@@ -78,6 +81,8 @@ def run(cfg: dict, devices: int, out: str) -> None:
         meta=sum(p.is_meta for p in module.parameters()),
         share=sum(share.values()),
         stages=sorted(stages),
+        # tensor parallel: the parameters cut into DTensor shards on this rank
+        sharded=[n for n, p in module.named_parameters() if hasattr(p, "placements")],
     )
     with open(os.path.join(out, f"{name}.rank{rank}.json"), "w") as f:
         json.dump(result, f)

@@ -1,0 +1,286 @@
+"""Tensor parallelism inside each stage (``PipelineStrategy(tp=N)``) under the real Trainer and
+gloo, against the single-process plain Trainer (fp32, 10 steps, AdamW, clipping 0.5, warmup +
+cosine LR, relative 1e-5 per step on the loss, the validation metrics and the clipping's global
+gradient norm).
+
+* ``PipelineLayers``: :class:`~lightning_pp.models.decoder.DecoderLM` (separate q/k/v, a
+  vocabulary-parallel embedding tied to a column-wise head) at pp2 x tp2 under 1f1b and zbv
+  (V placement: the tied embedding and head on one rank) in the shared 4-rank world, and at
+  pp2 x tp2 x dp2 interleaved (the tie across ranks) in an 8-rank world.
+* ``split=``: unmodified ``LlamaForCausalLM`` and ``Qwen2ForCausalLM`` with ``tp_plan="auto"``
+  (their own plans, transformers' own styles) at pp2 x tp2.
+* Checkpoints: written at pp2 x tp2, resumed at pp2 x tp2, pp2 x tp1 x dp2, pp4 x tp1 and in a
+  plain Trainer; written at pp2 x dp2 and resumed at pp2 x tp2 (tp1 -> tp2).
+* The rules: the world, the sharding, the plan settings and the model's sizes are refused with
+  the numbers named, before any process group exists.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests" / "scripts"))
+
+from pp_common import load_runs, mismatches, rel_errors, run_reference  # noqa: E402
+from worlds import script_main, world  # noqa: E402
+
+from lightning_pp.layout.plan import PipelinePlan  # noqa: E402
+from lightning_pp.layout.rules import PreflightError  # noqa: E402
+
+REL_TOL = 1e-5
+RESHARD_TOL = 1e-6
+
+TP2 = {"pp": 2, "tp": 2, "microbatches": 4, "accumulate": 1, "model": "decoder"}
+WORLD4 = [
+    {"name": "tp2_1f1b", **TP2},
+    {"name": "tp2_zbv", **TP2, "schedule": "zbv"},
+]
+# last (it patches the strategy while it runs): replicated weights counted on every tp rank
+PLANTED = {"name": "tp2_norm_planted", **TP2, "plant": "tp_norm_everywhere"}
+WORLD8 = [{"name": "tp2_dp2_interleaved", **TP2, "vpp": 2}]
+HF = {"split": "model.model.layers", "pp": 2, "microbatches": 4, "clip": 1.0}
+ATTENTION_ONLY = {
+    "model.layers.*.self_attn.q_proj": "colwise",
+    "model.layers.*.self_attn.k_proj": "colwise",
+    "model.layers.*.self_attn.v_proj": "colwise",
+    "model.layers.*.self_attn.o_proj": "rowwise",
+}
+HF_RUNS = [
+    {"name": "llama_tp2_1f1b", "model": "llama", **HF, "tp": 2, "tp_plan": "auto"},
+    {
+        "name": "qwen2_tp2_zbv",
+        "model": "qwen2",
+        **HF,
+        "tp": 2,
+        "tp_plan": "auto",
+        "schedule": "zbv",
+    },
+    # a user's own plan replaces the model's: attention only, the MLP and the head stay whole
+    {"name": "llama_tp2_own_plan", "model": "llama", **HF, "tp": 2, "tp_plan": ATTENTION_ONLY},
+]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict:
+    torch.set_num_threads(1)
+    return run_reference(1, str(tmp_path_factory.mktemp("ref")), model="decoder")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, list[dict]]:
+    out4, out8 = tmp_path_factory.mktemp("tp4"), tmp_path_factory.mktemp("tp8")
+    configs4 = [*WORLD4, PLANTED]
+    world("trainer", 4).run(
+        script_main, "pp_run", ["--out", str(out4), "--configs", json.dumps(configs4)], timeout=400
+    )
+    world("trainer", 8).run(
+        script_main, "pp_run", ["--out", str(out8), "--configs", json.dumps(WORLD8)], timeout=400
+    )
+    return {**load_runs(out4, configs4, 4), **load_runs(out8, WORLD8, 8)}
+
+
+@pytest.mark.parametrize("cfg", WORLD4 + WORLD8, ids=[c["name"] for c in WORLD4 + WORLD8])
+def test_tensor_parallel_runs_match_the_single_process_trainer(runs, reference, cfg):
+    ranks = runs[cfg["name"]]
+    assert mismatches(ranks, reference, REL_TOL) == []
+    for d in ranks[1:]:  # every rank logs the very same values
+        assert d["train_loss"] == ranks[0]["train_loss"]
+    shape = [cfg["pp"], len(ranks) // (cfg["pp"] * cfg["tp"]), cfg["tp"]]
+    for d in ranks:
+        assert d["mesh"]["names"] == ["pipeline_parallel", "data_parallel", "tensor_parallel"]
+        assert d["mesh"]["shape"] == shape
+        assert d["mesh"]["tp_group"] and d["mesh"]["coordinate"][2] == d["tp_rank"]
+
+
+def test_counting_replicated_weights_on_every_tp_rank_is_caught(runs, reference):
+    """The comparison catches torchtitan#596: with the LayerNorms' squares summed on both tp
+    ranks the clipping norm, and through the clipping the losses, leave the reference."""
+    bad = mismatches(runs[PLANTED["name"]], reference, REL_TOL)
+    assert any("gradient norm" in b for b in bad), bad
+
+
+@pytest.mark.parametrize("cfg", WORLD4 + WORLD8, ids=[c["name"] for c in WORLD4 + WORLD8])
+def test_each_rank_allocates_one_tp_th_of_its_sharded_weights(runs, cfg):
+    """Measured from the tensors: the local shards' storages of the weights cut over tp hold
+    exactly 1/tp of their bytes, on every rank of every stage."""
+    for d in runs[cfg["name"]]:
+        assert d["tp_sharded_bytes"] > 0
+        assert d["tp_sharded_bytes"] * cfg["tp"] == d["tp_whole_bytes"]
+        assert d["local_layers"] == d["expected_layers"]
+
+
+# ---------------------------------------------------------------------------- split= (HF)
+@pytest.fixture(scope="module")
+def hf_runs(tmp_path_factory) -> dict[str, list[dict]]:
+    out = tmp_path_factory.mktemp("tp_hf")
+    argv = ["--out", str(out), "--configs", json.dumps(HF_RUNS)]
+    world("trainer", 4).run(script_main, "split_run", argv, timeout=600)
+    return {
+        c["name"]: [json.loads((out / f"{c['name']}.rank{r}.json").read_text()) for r in range(4)]
+        for c in HF_RUNS
+    }
+
+
+@pytest.mark.parametrize("cfg", HF_RUNS, ids=[c["name"] for c in HF_RUNS])
+def test_unmodified_hf_models_with_their_own_tp_plan_match(hf_runs, cfg):
+    """``tp_plan="auto"``: the model's own plan on the modules each rank holds (a dict: that
+    plan instead); losses equal the plain Trainer's, and the tp ranks of a stage hold the plain
+    model's keys for it."""
+    from split_common import CausalLM
+    from split_common import run_reference as split_reference
+
+    from lightning_pp.autosplit import meta_build
+
+    ref = split_reference({k: v for k, v in cfg.items() if k not in ("tp", "tp_plan")})
+    ranks = hf_runs[cfg["name"]]
+    for d in ranks:
+        assert max(rel_errors(d["train"], ref["train"])) <= REL_TOL, d["rank"]
+        assert max(rel_errors(d["val"], ref["val"])) <= REL_TOL, d["rank"]
+    own = cfg["tp_plan"] != "auto"
+    for d in ranks:  # what was cut: the plan's modules, and only them
+        assert d["sharded"] and all(("self_attn" in n) or not own for n in d["sharded"])
+        assert any("mlp" in n for n in d["sharded"]) != own
+    plain = sorted(meta_build(lambda: CausalLM(cfg["model"], "init")).model.state_dict())
+    for tp_rank in (0, 1):  # ranks 0, 2 (tp 0) and 1, 3 (tp 1): each a partition of the keys
+        keys = [k for d in ranks[tp_rank::2] for k in d["keys"]]
+        assert sorted(keys) == plain
+
+
+# ---------------------------------------------------------------------------- checkpoints
+@pytest.fixture(scope="module")
+def ckpt_runs(tmp_path_factory) -> Path:
+    """pp2 x tp2 saves at step 5 and resumes at four shapes; pp2 x dp2 saves and resumes at
+    pp2 x tp2; the plain single-process run is the reference."""
+    out = tmp_path_factory.mktemp("tp_ckpt")
+    tp_dir, dp_dir = out / "tp_ckpt", out / "dp_ckpt"
+    tp5, dp5 = str(tp_dir / "step=5.ckpt"), str(dp_dir / "step=5.ckpt")
+    dec = {"model": "decoder", "microbatches": 2}
+    save = {"max_steps": 5, "every": 5}
+    phases = [
+        {"name": "tp_save", "pp": 2, "tp": 2, **dec, **save, "ckpt_dir": str(tp_dir)},
+        {"name": "tp_resume", "pp": 2, "tp": 2, **dec, "max_steps": 10, "resume": tp5},
+        {"name": "tp_to_dp2", "pp": 2, **dec, "max_steps": 10, "resume": tp5},
+        {"name": "tp_to_pp4", "pp": 4, **dec, "max_steps": 10, "resume": tp5},
+        {"name": "dp_save", "pp": 2, **dec, **save, "ckpt_dir": str(dp_dir)},
+        {"name": "dp_to_tp2", "pp": 2, "tp": 2, **dec, "max_steps": 10, "resume": dp5},
+    ]
+    (out / "w").mkdir()
+    argv = ["--out", str(out / "w"), "--phases", json.dumps(phases)]
+    world("trainer", 4).run(script_main, "ckpt_run", argv, timeout=500)
+    from ckpt_run import run_phase
+
+    torch.set_num_threads(1)
+    (out / "p").mkdir()
+    run_phase(
+        {"name": "plain_full", "pp": 0, "model": "decoder", "max_steps": 10}, str(out / "p"), 1
+    )
+    plain = {"name": "tp_to_plain", "pp": 0, "model": "decoder", "max_steps": 10, "resume": tp5}
+    run_phase({**plain, "pipeline_io": True}, str(out / "p"), 1)
+    return out
+
+
+def _ck(out: Path, group: str, name: str, size: int) -> list[dict]:
+    return [json.loads((out / group / f"{name}.rank{r}.json").read_text()) for r in range(size)]
+
+
+@pytest.mark.parametrize(
+    "name,group,size",
+    [
+        ("tp_resume", "w", 4),
+        ("tp_to_dp2", "w", 4),
+        ("tp_to_pp4", "w", 4),
+        ("dp_to_tp2", "w", 4),
+        ("tp_to_plain", "p", 1),
+    ],
+)
+def test_a_tensor_parallel_checkpoint_resumes_at_any_shape(ckpt_runs, name, group, size):
+    """Steps 6-10 after loading the step-5 checkpoint equal the uninterrupted plain run's: the
+    DTensor shards were saved by name at the whole shape and are cut anew on loading (tp2 ->
+    tp1, tp1 -> tp2, pp2 -> pp4, a plain Trainer)."""
+    full = _ck(ckpt_runs, "p", "plain_full", 1)[0]
+    for saved in ("tp_save", "dp_save"):
+        for d in _ck(ckpt_runs, "w", saved, 4):
+            assert max(rel_errors(d["train_loss"], full["train_loss"][:5])) <= REL_TOL
+    for d in _ck(ckpt_runs, group, name, size):
+        assert max(rel_errors(d["train_loss"], full["train_loss"][5:])) <= RESHARD_TOL, name
+        assert d["lr"] == full["lr"][5:]
+        assert d["global_step"] == 10
+
+
+# ---------------------------------------------------------------------------- the rules
+@pytest.mark.quick
+def test_the_world_must_be_pp_times_dp_times_tp():
+    plan = PipelinePlan.build(pp=2, tp=2, world_size=8)
+    assert (plan.dp, plan.tp) == (2, 2)
+    assert "x tp=2" in plan.describe()[0]
+    with pytest.raises(
+        PreflightError, match=r"pp\(3\) \* tp\(2\) does not divide the world size 8"
+    ):
+        PipelinePlan.build(pp=3, tp=2, world_size=8)
+    with pytest.raises(PreflightError, match=r"pp must be one of \[1, 2, 4\]"):
+        PipelinePlan.build(pp=3, tp=2, world_size=8)
+    with pytest.raises(PreflightError, match="tp must be a positive integer"):
+        PipelinePlan.build(pp=2, tp=0, world_size=8)
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("sharding", [{"zero": 1}, {"fsdp": True}])
+def test_tensor_parallel_with_sharded_data_parallel_is_refused_by_name(sharding):
+    what = "fsdp=True" if "fsdp" in sharding else "zero=1"
+    with pytest.raises(PreflightError, match=rf"tp=2 with {what}: .* not supported yet"):
+        PipelinePlan.build(pp=2, tp=2, world_size=8, **sharding)
+
+
+@pytest.mark.quick
+def test_strategy_settings_are_checked_at_construction():
+    from lightning_pp import PipelineStrategy
+
+    with pytest.raises(PreflightError, match="tp_plan applies to split= models"):
+        PipelineStrategy(pp=2, tp=2, tp_plan="auto")
+    with pytest.raises(PreflightError, match="tp_plan must be 'auto'"):
+        PipelineStrategy(pp=2, tp=2, split="model.layers", tp_plan="colwise")
+    with pytest.raises(PreflightError, match=r"tp=2 with zero=2"):
+        PipelineStrategy(pp=2, tp=2, zero=2)
+
+
+@pytest.mark.quick
+def test_hf_sizes_tp_does_not_divide_are_named():
+    from transformers import LlamaConfig
+
+    from lightning_pp.strategy.tensor_parallel import check_hf_sizes
+
+    ok = LlamaConfig(num_attention_heads=4, num_key_value_heads=2, intermediate_size=64)
+    check_hf_sizes(ok, 2)
+    bad = LlamaConfig(
+        vocab_size=50257, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64
+    )
+    with pytest.raises(PreflightError, match=r"kv_heads=2, vocab=50257.*pad the vocabulary"):
+        check_hf_sizes(bad, 4)
+
+
+@pytest.mark.quick
+def test_a_model_without_the_hook_is_told_what_to_implement():
+    from lightning_pp.models import GPT
+
+    with pytest.raises(NotImplementedError, match="implement pipeline_tensor_parallel"):
+        GPT().pipeline_tensor_parallel(torch.nn.Linear(2, 2), 0, object())
+
+
+@pytest.mark.quick
+def test_decoder_heads_must_divide_by_tp():
+    from lightning_pp.models import DecoderLM
+
+    class Mesh:
+        def size(self) -> int:
+            return 4
+
+    model = DecoderLM(n_head=2, n_embd=16, n_layer=1)
+    model.configure_model()
+    with pytest.raises(ValueError, match=r"n_head\(2\) is not divisible by tp\(4\)"):
+        model.pipeline_tensor_parallel(model.layers[1], 1, Mesh())
