@@ -121,17 +121,18 @@ def test_tied_copies_stay_bitwise_equal(zero_runs, cfg):
 
 
 def test_one_device_mesh_serves_the_strategy_the_module_and_every_group(zero_runs):
-    """strategy.device_mesh is a (pipeline_parallel, data_parallel) mesh, pp outermost, whose
-    coordinates are the topology's; the module's hooks read the same object as
-    self.device_mesh (Lightning's ModelParallelStrategy convention); the pp and dp groups are
-    the mesh's own."""
+    """strategy.device_mesh is a (pipeline_parallel, data_parallel, tensor_parallel) mesh, pp
+    outermost, tp of size 1 here, whose coordinates are the topology's; the module's hooks read
+    the same object as self.device_mesh (Lightning's ModelParallelStrategy convention); the pp,
+    dp and tp groups are the mesh's own."""
     for cfg in ZERO:
         for d in zero_runs[cfg["name"]]:
             mesh = d["mesh"]
-            assert mesh["names"] == ["pipeline_parallel", "data_parallel"]
-            assert mesh["shape"] == [2, 2]
-            assert mesh["coordinate"] == [d["pp_rank"], d["dp_rank"]]
+            assert mesh["names"] == ["pipeline_parallel", "data_parallel", "tensor_parallel"]
+            assert mesh["shape"] == [2, 2, 1]
+            assert mesh["coordinate"] == [d["pp_rank"], d["dp_rank"], 0]
             assert mesh["module_sees_it"] and mesh["pp_group"] and mesh["dp_group"]
+            assert mesh["tp_group"]
 
 
 @pytest.mark.parametrize("name", ["il_z1_overlap", "zbv_z2_overlap_acc2"])

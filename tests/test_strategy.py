@@ -82,6 +82,11 @@ def references(tmp_path_factory) -> dict[int, dict]:
     return reference_runs(str(tmp_path_factory.mktemp("ref")))
 
 
+# The four-rank world runs ten configurations in one case (its own timeout: 400 s);
+# pytest-timeout's 300 s default cut it short while the background jobs shared the CPU.
+pytestmark = pytest.mark.timeout(900)
+
+
 @pytest.fixture(scope="module")
 def four_proc(tmp_path_factory) -> dict[str, list[dict]]:
     """Four ranks of a shared Trainer world (each a torchrun-like worker, no launcher)."""

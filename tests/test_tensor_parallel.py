@@ -33,6 +33,10 @@ from worlds import script_main, world  # noqa: E402
 from lightning_pp.layout.plan import PipelinePlan  # noqa: E402
 from lightning_pp.layout.rules import PreflightError  # noqa: E402
 
+# Trainer worlds of 4 and 8 ranks run several configurations per case (each case has its own
+# world timeout); pytest-timeout's 300 s default would cut the module fixtures short under load.
+pytestmark = pytest.mark.timeout(1200)
+
 REL_TOL = 1e-5
 RESHARD_TOL = 1e-6
 
