@@ -82,9 +82,10 @@ def references(tmp_path_factory) -> dict[int, dict]:
     return reference_runs(str(tmp_path_factory.mktemp("ref")))
 
 
-# The four-rank world runs ten configurations in one case (its own timeout: 400 s);
-# pytest-timeout's 300 s default cut it short while the background jobs shared the CPU.
-pytestmark = pytest.mark.timeout(900)
+# The four-rank world runs ten configurations in one case (33 s alone, over 300 s in a loaded
+# CI run): its own case timeout (800 s) bounds it; pytest-timeout's 300 s default cut it short
+# while the background jobs shared the CPU, and its ranks went on training during later tests.
+pytestmark = pytest.mark.timeout(1200)
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +93,7 @@ def four_proc(tmp_path_factory) -> dict[str, list[dict]]:
     """Four ranks of a shared Trainer world (each a torchrun-like worker, no launcher)."""
     out = tmp_path_factory.mktemp("four")
     argv = ["--out", str(out), "--configs", json.dumps(FOUR)]
-    world("trainer", 4).run(script_main, "pp_run", argv, timeout=400)
+    world("trainer", 4).run(script_main, "pp_run", argv, timeout=800)
     return load_runs(out, FOUR, 4)
 
 
