@@ -211,8 +211,9 @@ class TiedParameterSync:
     def broadcast_weights(self) -> None:
         with torch.no_grad():
             for g in self.groups:
-                # A tensor-parallel copy is a DTensor: every copy is cut the same way (checked
-                # where the tie is built), so the owner's shard goes to the same shard.
+                # A tensor-parallel copy is a DTensor: the owner's shard goes to the copy's
+                # shard, which assumes every copy is cut the same way (DecoderLM: both
+                # Shard(0)). Nothing checks that yet: copies cut differently abort in gloo.
                 local = local_part(g.param.data)
                 work = dist.broadcast(local, src=g.owner_rank, group=g.group, async_op=True)
                 monitored_wait(
