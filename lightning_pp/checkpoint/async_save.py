@@ -49,12 +49,26 @@ from .errors import CheckpointError
 __all__ = ["PendingSave", "StagingBuffers", "checkpoint_group", "start_async_save"]
 
 
+#: (the default group, its checkpoint group): one per default group and process
+_CHECKPOINT_GROUP: list[tuple[Any, dist.ProcessGroup]] = []
+
+
 def checkpoint_group() -> dist.ProcessGroup | None:
     """A gloo group of every rank for background checkpoint collectives (collective call);
-    ``None`` without an initialised process group (one process: nothing to coordinate)."""
+    ``None`` without an initialised process group (one process: nothing to coordinate).
+
+    One per process and default group: every rank calls this at the same points, so every
+    rank reuses it alike, and a second run in the process (another ``Trainer``) does not leave
+    a gloo communicator and its network thread behind (see
+    :func:`~lightning_pp.layout.topology.build_process_groups`)."""
     if not (dist.is_available() and dist.is_initialized()):
         return None
-    return dist.new_group(backend="gloo")
+    world = dist.group.WORLD
+    if _CHECKPOINT_GROUP and _CHECKPOINT_GROUP[0][0] is world:
+        return _CHECKPOINT_GROUP[0][1]
+    group = dist.new_group(backend="gloo")
+    _CHECKPOINT_GROUP[:] = [(world, group)]
+    return group
 
 
 class StagingBuffers:

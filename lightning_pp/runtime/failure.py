@@ -38,6 +38,7 @@ import json
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -86,9 +87,14 @@ class _Waiter(threading.Thread):
     def run(self) -> None:
         while True:
             job = self.jobs.get()
+            if job is None:  # its monitor is gone (see FailureMonitor.wait)
+                return
             works, box, done = job
             box += _wait_all(works)  # handed back to the caller, raised there
             done.set()
+            # Drop the finished job before blocking on the next one: otherwise this idle frame
+            # keeps the last wait's works, and with them its buffers, for as long as it lives.
+            del job, works, box, done
 
 
 class FailureMonitor:
@@ -278,6 +284,9 @@ class FailureMonitor:
         else:
             if self._waiter is None:
                 self._waiter = _Waiter()
+                # The thread ends with its monitor (one per engine: a process running several
+                # fits would otherwise keep one idle thread per engine it ever built).
+                weakref.finalize(self, self._waiter.jobs.put, None)
             event, box = threading.Event(), []
             self._waiter.jobs.put((list(works), box, event))
             # The first slice is short: most waits finish within it and touch no store.

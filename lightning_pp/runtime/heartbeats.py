@@ -180,6 +180,9 @@ class ProcessWatcher:
         if self._stop.is_set():
             return
         self._stop.set()
+        # atexit's reference would keep this watcher, and through ``watch`` its strategy, the
+        # model and the optimizer, alive for the rest of the process (one set per fit).
+        atexit.unregister(self.stop)
         # The thread first: a heartbeat of its own written after "done" would undo it.
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=2 * self.interval)

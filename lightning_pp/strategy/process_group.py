@@ -246,7 +246,8 @@ class ProcessGroupStrategy(ParallelStrategy):
                 watch=self.watched_ranks,
                 store_owner=self._store_owner,
             ).start()
-        install_excepthook(lambda: self.global_rank)
+        rank = self.global_rank  # not ``self``: the hook stays for the process's life
+        install_excepthook(lambda: rank)
 
     def failure_origin(self) -> dict | None:
         """What the rank that failed first published, when it is another rank (one that raised,
