@@ -26,7 +26,7 @@ from __future__ import annotations
 import difflib
 import math
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ..schedules import Schedule, build_schedule, check_positive, check_schedule_name, simulate
@@ -490,12 +490,14 @@ def check_schedule_args(
     group_size: int | None = None,
     *,
     warn: bool = True,
+    build: Callable[..., Schedule] = build_schedule,
 ) -> Schedule:
     """Build the schedule the strategy would run (its generator's rules, unchanged).
 
     ``schedule=None`` picks :func:`default_schedule`; ``microbatches=None`` means ``pp``;
     ``vpp=None`` the schedule's own chunk count (an explicit one it cannot run is refused by
-    :func:`check_schedule_vpp`). Emits
+    :func:`check_schedule_vpp`); ``build``: :func:`build_schedule`'s signature, for a caller
+    that builds ``zb-auto`` its own way (the planner's search). Emits
     a :class:`PipelineWarning` for ``microbatches < pp`` (see :func:`bubble_warning`).
 
     Raises:
@@ -514,7 +516,7 @@ def check_schedule_args(
         raise PreflightError(str(e), key="schedule") from None
     check_schedule_vpp(name, vpp, pp)
     try:
-        built = build_schedule(name, pp=pp, microbatches=m, vpp=vpp, group_size=group_size)
+        built = build(name, pp=pp, microbatches=m, vpp=vpp, group_size=group_size)
     except PreflightError:
         raise
     except ValueError as e:
