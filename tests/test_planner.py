@@ -196,15 +196,15 @@ def test_search_is_deterministic_and_ordered():
     assert len({p.candidate for p in a.ranked}) == len(a.ranked)  # no duplicates
 
 
-def test_search_of_about_1000_candidates_is_fast():
-    # CPU time of this process: the search is single-threaded Python, so it is the work done,
-    # which the wall clock is not on a shared machine (measured 3.0 s CPU = 3.1 s wall when
-    # idle, 12.9 s wall at nice 19 beside four busy processes on two cores)
+def test_search_of_thousands_of_candidates_reports_its_cpu_time():
+    # How long it takes is measured in benchmarks/bench_planner_search.py (target < 10 s CPU),
+    # not asserted here: a unit test is no place for a clock.
     prof = _profile([_layer(3e-3)] + [_layer(1e-3)] * 22 + [_layer(3e-3)])
     result = search(prof, world=12, global_batch=96)
     print(f"searched {result.considered} candidates in {result.cpu_seconds:.2f} s CPU")
     assert result.considered >= 900, result.considered
-    assert result.cpu_seconds < 10.0, f"{result.considered} candidates: {result.cpu_seconds} s"
+    assert result.cpu_seconds > 0.0  # measured, not left at its default
+    assert len(result.ranked) <= result.considered
 
 
 def test_cost_balanced_split_wins_when_first_and_last_layers_are_heavy():
