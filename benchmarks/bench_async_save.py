@@ -190,7 +190,12 @@ def launch(mode: str, a: argparse.Namespace, work: Path) -> list[dict[str, Any]]
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--mode", mode]
     cmd += ["--size", a.size, "--steps", str(a.steps), "--every", str(a.every)]
     cmd += ["--run-dir", str(run_dir), "--ckpt-dir", str(ckpt_dir)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    # A port of its own per run: an inherited MASTER_PORT (an earlier in-process Trainer sets
+    # one in os.environ) would have both runs reuse it, and the first run's store process may
+    # still hold it when the second starts (EADDRINUSE in a loaded CI run).
+    from lightning_pp.planner.verify import free_port
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), MASTER_PORT=str(free_port()))
     proc = subprocess.Popen(
         cmd,
         env=env,

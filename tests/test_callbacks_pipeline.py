@@ -6,6 +6,8 @@ fixed and known (sleeping ranks use no CPU, so 4 ranks on 2 cores behave like 4 
 
 from __future__ import annotations
 
+from statistics import median
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -116,8 +118,8 @@ def _run_cases(rank: int, world: int, cases: list[dict]) -> list[dict]:
 
 
 BUBBLE_CASES = [
-    _case("1f1b", 1, 8, steps=3, t_f=T_F, t_b=T_B, width=16, mb_size=2, memory=False),
-    _case("interleaved", 2, 8, steps=3, t_f=T_F, t_b=T_B, width=16, mb_size=2, memory=False),
+    _case("1f1b", 1, 8, steps=5, t_f=T_F, t_b=T_B, width=16, mb_size=2, memory=False),
+    _case("interleaved", 2, 8, steps=5, t_f=T_F, t_b=T_B, width=16, mb_size=2, memory=False),
 ]
 MEMORY_CASES = [
     _case(name, vpp, m, steps=1, t_f=0.0, t_b=0.0, width=64, mb_size=4, memory=True)
@@ -159,13 +161,19 @@ def test_measured_bubble_matches_simulator(results, index):
     # The first step pays gloo's lazy pair connections; the later ones are the steady state.
     for i, s in enumerate(steps):  # shown with -s: the figures quoted in docs/callbacks.md
         print(f"{case['name']} step {i}: gap {100 * (s['bubble'] - s['expected']):+.2f} points")
-    for s in steps[1:]:
-        assert abs(s["bubble"] - s["expected"]) < 0.02, s
-        # The measured costs are the sleeps plus a little host overhead, so with them alone the
-        # simulator gives nearly the textbook (p-1)/(v*m) bubble of the ideal costs (the full
-        # expectation adds the measured P2P latency, receive overhead and entry skew).
-        assert abs(s["costs_only"] - ideal.bubble_ratio) < 0.02, (s, ideal.bubble_ratio)
-        assert s["span"] == pytest.approx(ideal.makespan, rel=0.1)
+    # The median of the steady steps: a wrong monitor is wrong on every step, while a stall from
+    # outside (another process on the 2 shared cores) moves one step by several points either
+    # way (a CI run: -6.2 and +7.7 points on two consecutive steps, the others within 1).
+    steady = steps[1:]
+    assert median(abs(s["bubble"] - s["expected"]) for s in steady) < 0.02, steady
+    # The measured costs are the sleeps plus a little host overhead, so with them alone the
+    # simulator gives nearly the textbook (p-1)/(v*m) bubble of the ideal costs (the full
+    # expectation adds the measured P2P latency, receive overhead and entry skew).
+    assert median(abs(s["costs_only"] - ideal.bubble_ratio) for s in steady) < 0.02, (
+        steady,
+        ideal.bubble_ratio,
+    )
+    assert median(s["span"] for s in steady) == pytest.approx(ideal.makespan, rel=0.1)
 
 
 def test_1f1b_activation_peak_does_not_grow_with_microbatches(results):

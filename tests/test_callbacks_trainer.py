@@ -13,6 +13,7 @@ import argparse
 import csv
 import json
 from pathlib import Path
+from statistics import median
 
 import pytest
 from worlds import world
@@ -22,7 +23,7 @@ from worlds import world
 pytestmark = pytest.mark.timing
 
 
-PP, M, MB_SIZE, WIDTH, STEPS = 4, 8, 2, 16, 4
+PP, M, MB_SIZE, WIDTH, STEPS = 4, 8, 2, 16, 6
 T_F, T_B = 0.060, 0.120  # per stage, seconds: 8 layers, 2 per rank
 
 
@@ -109,11 +110,14 @@ def test_bubble_keys_logged_and_close_to_expectation(run: Path) -> None:
     assert len(bubble_rows) == STEPS  # every_n_steps=1
     result = json.loads((run / "result.json").read_text())
     assert "pp/bubble_fraction" in result["callback_metrics"]
-    # Steps after the first (gloo connects pairs lazily on first use).
+    # Steps after the first (gloo connects pairs lazily on first use); their median, since a
+    # stall from outside moves one step by several points (tests/test_callbacks_pipeline.py).
+    gaps = []
     for row in bubble_rows[1:]:
         measured, expected = float(row["pp/bubble_fraction"]), float(row["pp/bubble_expected"])
         print(f"trainer step {row['step']}: gap {100 * (measured - expected):+.2f} points")
-        assert abs(measured - expected) < 0.02, (measured, expected)
+        gaps.append(abs(measured - expected))
+    assert median(gaps) < 0.02, gaps
 
 
 def test_memory_follows_inflight_bound(run: Path) -> None:

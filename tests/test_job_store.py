@@ -100,7 +100,9 @@ def test_the_store_process_outlives_rank_0_and_leaves_after_the_last_rank():
         del store
         rank1.kill()  # the last rank gone: the store process leaves by itself
         rank1.wait(timeout=10)
-        assert _wait(lambda: process_state(host_pid) in (None, "Z"), 5.0), "did not leave"
+        # It notices within 0.25 s; the bound is for its interpreter's exit (torch's teardown),
+        # which took over 5 s in a loaded CI run.
+        assert _wait(lambda: process_state(host_pid) in (None, "Z"), 60.0), "did not leave"
     finally:
         for proc in (starter, rank1):
             if proc.poll() is None:
