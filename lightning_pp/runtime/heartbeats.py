@@ -186,6 +186,10 @@ class ProcessWatcher:
         # The thread first: a heartbeat of its own written after "done" would undo it.
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=2 * self.interval)
+        # The guard wakes at once on the stop event; joined so that this watcher (and what it
+        # refers to) is released when ``stop`` returns, not a moment later.
+        if self._guard is not None and self._guard is not threading.current_thread():
+            self._guard.join(timeout=2 * self.interval)
         bounded(lambda: self._beat(done=True), STORE_CALL_LIMIT, None)
         if _WATCHER is self:
             _WATCHER = None
