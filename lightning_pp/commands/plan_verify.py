@@ -155,7 +155,7 @@ def calibrate(
         f", bandwidth {cal.bandwidth / 1e9:.2f} GB/s (4 MiB ping-pong between pipeline ranks "
         f"0 and 1)"
         if cal.bandwidth
-        else ""
+        else ", link not timed (the 4 MiB ping-pong was no slower than the 1 KiB one)"
     )
     msg = (
         f"calibrate: engine overhead {cal.overhead_s * 1e3:.2f} ms per action and layers "
