@@ -44,31 +44,22 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from ..layout.topology import once_per_default_group
 from .errors import CheckpointError
 
 __all__ = ["PendingSave", "StagingBuffers", "checkpoint_group", "start_async_save"]
-
-
-#: (the default group, its checkpoint group): one per default group and process
-_CHECKPOINT_GROUP: list[tuple[Any, dist.ProcessGroup]] = []
 
 
 def checkpoint_group() -> dist.ProcessGroup | None:
     """A gloo group of every rank for background checkpoint collectives (collective call);
     ``None`` without an initialised process group (one process: nothing to coordinate).
 
-    One per process and default group: every rank calls this at the same points, so every
-    rank reuses it alike, and a second run in the process (another ``Trainer``) does not leave
-    a gloo communicator and its network thread behind (see
-    :func:`~lightning_pp.layout.topology.build_process_groups`)."""
+    One per process and default group
+    (:func:`~lightning_pp.layout.topology.once_per_default_group`): a second run in the process
+    (another ``Trainer``) does not leave a gloo communicator and its network thread behind."""
     if not (dist.is_available() and dist.is_initialized()):
         return None
-    world = dist.group.WORLD
-    if _CHECKPOINT_GROUP and _CHECKPOINT_GROUP[0][0] is world:
-        return _CHECKPOINT_GROUP[0][1]
-    group = dist.new_group(backend="gloo")
-    _CHECKPOINT_GROUP[:] = [(world, group)]
-    return group
+    return once_per_default_group(("checkpoint",), lambda: dist.new_group(backend="gloo"))
 
 
 class StagingBuffers:

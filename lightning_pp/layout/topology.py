@@ -26,11 +26,14 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 from ..schedules import check_positive
+
+T = TypeVar("T")
 
 __all__ = [
     "DP_DIM",
@@ -40,6 +43,7 @@ __all__ = [
     "PipelineTopology",
     "ProcessGroups",
     "build_process_groups",
+    "once_per_default_group",
 ]
 
 #: mesh dim names: Lightning's ``ModelParallelStrategy`` names (``"data_parallel"``,
@@ -214,9 +218,33 @@ class ProcessGroups:
         return mine
 
 
-#: The groups built in this process, by (world, rank, pp, dp, tp, device type), with the
-#: default group they were built in: see :func:`build_process_groups`.
-_BUILT: dict[tuple[object, ...], tuple[Any, ProcessGroups]] = {}
+#: What :func:`once_per_default_group` built in this process, by key, with the default group
+#: it was built in.
+_BUILT: dict[tuple[object, ...], tuple[Any, Any]] = {}
+
+
+def once_per_default_group(key: tuple[object, ...], make: Callable[[], T]) -> T:
+    """``make()`` once per ``key`` and default process group in this process; later calls
+    return the same object. A collective ``make`` stays matched: every rank calls this at the
+    same points with the same key, so every rank builds or reuses alike. Entries of an earlier
+    default group (before ``destroy_process_group``) are dropped, never handed out again.
+
+    Why: a process group made on every ``Trainer`` run stays alive with its communicator (on
+    gloo a network thread that wakes every few milliseconds: 106 of them took 0.3 of a core in
+    an idle process; on NCCL device memory).
+
+    Example::
+
+        group = once_per_default_group(("checkpoint",), lambda: dist.new_group(backend="gloo"))
+    """
+    import torch.distributed as dist
+
+    world = dist.group.WORLD
+    for stale in [k for k, (w, _) in _BUILT.items() if w is not world]:
+        del _BUILT[stale]
+    if key not in _BUILT:
+        _BUILT[key] = (world, make())
+    return _BUILT[key][1]
 
 
 def build_process_groups(
@@ -234,14 +262,12 @@ def build_process_groups(
     array. The ``tensor_parallel`` dim is there at ``tp=1`` too (size 1), so model hooks read
     ``self.device_mesh["tensor_parallel"]`` whatever the shape.
 
-    Built once per process and shape: a second call with the same default process group and
-    the same ``(pp, dp, tp)`` returns the same mesh and groups (and the groups made later with
-    :meth:`ProcessGroups.new_groups`), with ``timeout`` for groups made from then on. Several
-    ``Trainer`` runs in one process (a notebook, a sweep, ``fit`` then ``test``) would otherwise
-    leave a communicator per group per run behind: on gloo each keeps a network thread that
-    wakes every few milliseconds (measured: 106 such groups took 0.3 of a core in an idle
-    process), on NCCL each holds device memory. A new default group (after
-    ``destroy_process_group``) builds afresh.
+    Built once per process and shape (:func:`once_per_default_group`): a second call with the
+    same default process group and the same ``(pp, dp, tp)`` returns the same mesh and groups
+    (and the groups made later with :meth:`ProcessGroups.new_groups`), with ``timeout`` for
+    groups made from then on. Several ``Trainer`` runs in one process (a notebook, a sweep,
+    ``fit`` then ``test``) would otherwise leave a communicator per group per run behind. A new
+    default group (after ``destroy_process_group``) builds afresh.
     """
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
@@ -255,23 +281,19 @@ def build_process_groups(
         )
     import torch
 
-    world = dist.group.WORLD
-    for stale in [k for k, (w, _) in _BUILT.items() if w is not world]:
-        del _BUILT[stale]  # an earlier default group's: never handed out again
-    key = (topo.world_size, topo.rank, topo.pp, topo.dp, topo.tp, device_type)
-    if key in _BUILT:
-        built = _BUILT[key][1]
-        built.timeout = timeout  # for the groups made from now on (new_groups)
-        return built
-    ranks = torch.arange(topo.world_size).reshape(topo.pp, topo.dp, topo.tp)
-    mesh = DeviceMesh(device_type, ranks, mesh_dim_names=MESH_DIMS)
-    groups = ProcessGroups(
-        topology=topo,
-        pp_group=mesh.get_group(PP_DIM),
-        dp_group=mesh.get_group(DP_DIM),
-        timeout=timeout,
-        mesh=mesh,
-        tp_group=mesh.get_group(TP_DIM),
-    )
-    _BUILT[key] = (world, groups)
+    def build() -> ProcessGroups:
+        ranks = torch.arange(topo.world_size).reshape(topo.pp, topo.dp, topo.tp)
+        mesh = DeviceMesh(device_type, ranks, mesh_dim_names=MESH_DIMS)
+        return ProcessGroups(
+            topology=topo,
+            pp_group=mesh.get_group(PP_DIM),
+            dp_group=mesh.get_group(DP_DIM),
+            timeout=timeout,
+            mesh=mesh,
+            tp_group=mesh.get_group(TP_DIM),
+        )
+
+    key = ("mesh", topo.world_size, topo.rank, topo.pp, topo.dp, topo.tp, device_type)
+    groups = once_per_default_group(key, build)
+    groups.timeout = timeout  # for the groups made from now on (new_groups)
     return groups

@@ -614,9 +614,9 @@ def _build_base_schedule(name: str, **shape: Any) -> Schedule:
     """:func:`build_schedule`, but ``zb-auto`` one-policy and without the handcrafted comparison.
 
     Each candidate gets its own zb-auto from its own costs (:func:`costed_schedule`), so the
-    base plan needs only a valid order of the same shape and memory bound. The full build
-    (every policy, the handcrafted comparison, a simulation) was two thirds of a
-    1,000-candidate search's time."""
+    base plan needs only a valid order of the same shape and memory bound (zb-auto's default,
+    as :func:`build_schedule` gives it). The full build (every policy, the handcrafted
+    comparison, a simulation) was two thirds of a search's time."""
     if name != "zb-auto":
         return build_schedule(name, **shape)
     vpp = chunks_per_rank(name, shape["vpp"])

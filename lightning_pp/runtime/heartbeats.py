@@ -183,13 +183,12 @@ class ProcessWatcher:
         # atexit's reference would keep this watcher, and through ``watch`` its strategy, the
         # model and the optimizer, alive for the rest of the process (one set per fit).
         atexit.unregister(self.stop)
-        # The thread first: a heartbeat of its own written after "done" would undo it.
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=2 * self.interval)
-        # The guard wakes at once on the stop event; joined so that this watcher (and what it
-        # refers to) is released when ``stop`` returns, not a moment later.
-        if self._guard is not None and self._guard is not threading.current_thread():
-            self._guard.join(timeout=2 * self.interval)
+        # Both threads first: a heartbeat of the watcher's own written after "done" would undo
+        # it, and the guard, which wakes at once on the stop event, would otherwise hold this
+        # watcher (and what it refers to) a moment after ``stop`` returns.
+        for thread in (self._thread, self._guard):
+            if thread is not None and thread is not threading.current_thread():
+                thread.join(timeout=2 * self.interval)
         bounded(lambda: self._beat(done=True), STORE_CALL_LIMIT, None)
         if _WATCHER is self:
             _WATCHER = None
