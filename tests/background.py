@@ -113,11 +113,11 @@ def summary() -> str | None:
         return None
     end = max(e for _, e in _spans.values())
     busy = sum(e - b for b, e in _spans.values())
-    slowest = max(_spans, key=lambda n: _spans[n][1] - _spans[n][0])
-    b, e = _spans[slowest]
+    ranked = sorted(_spans, key=lambda n: _spans[n][0] - _spans[n][1])
+    slowest = ", ".join(f"{n} {_spans[n][1] - _spans[n][0]:.0f} s" for n in ranked[:8])
     return (
         f"background jobs: {len(_spans)} ran {WORKERS} at a time, {busy:.0f} s of job time, the "
-        f"last ended {end:.0f} s after the first started; slowest {slowest} ({e - b:.0f} s)"
+        f"last ended {end:.0f} s after the first started; slowest: {slowest}"
     )
 
 

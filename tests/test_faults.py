@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
 
@@ -580,7 +581,16 @@ def _collective_worker(rank, world_size, cases):
 
 
 def test_collectives_outside_the_pipeline_are_watched():
-    results = run_distributed(_collective_worker, WORLD, COLLECTIVE_CASES, timeout=240, grace=GRACE)
+    # each kind in a world of its own, all at once: rank 1's five-second stalls overlap (run
+    # one after another they were 30 s of this file's quiet tail, tests/conftest.py)
+    with ThreadPoolExecutor(len(COLLECTIVE_CASES)) as pool:
+        worlds = [
+            pool.submit(
+                run_distributed, _collective_worker, WORLD, [kind], timeout=240, grace=GRACE
+            )
+            for kind in COLLECTIVE_CASES
+        ]
+        rank0 = [w.result()[0][0] for w in worlds]
     what = {
         "dp_grad": "in the data-parallel gradient all_reduce (bucket 0, 4 values)",
         "tied": "in the tied-gradient all_reduce of layers.0.weight",
@@ -588,8 +598,7 @@ def test_collectives_outside_the_pipeline_are_watched():
         "broadcast": "in broadcast from rank 0",
         "reduce": "in all_reduce of a value reduced with 'mean'",
     }
-    for i, kind in enumerate(COLLECTIVE_CASES):
-        got, text, seconds = results[0][i]
+    for kind, (got, text, seconds) in zip(COLLECTIVE_CASES, rank0):
         # ends long before the stuck rank returns (before: it waited the whole SLEEP)
         assert seconds < SLEEP - 1, (kind, got, seconds, text)
         if kind == "abort":

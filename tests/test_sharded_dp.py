@@ -44,7 +44,6 @@ ZERO = [
     {"name": "il_z1_acc2", **PP2, "vpp": 2, "accumulate": 2, "zero": 1},
     # tiny buckets: several reduce-scatters per chunk; full-size gradients freed
     {"name": "1f1b_z2_tiny", **PP2, "zero": 2, "bucket_cap_mb": 0.01},
-    {"name": "zbv_z2_acc2", **PP2, "schedule": "zbv", "accumulate": 2, "zero": 2},
     {"name": "il_z2_recompute", **PP2, "vpp": 2, "zero": 2, "recompute": "full"},
     # the parameter all-gathers finish at the next forwards (small buckets: several of them)
     {
@@ -67,14 +66,14 @@ ZERO = [
     # bf16 parameters: the optimizer steps fp32 master rows
     {"name": "1f1b_z1_bf16true", **PP2, "zero": 1, "precision": "bf16-true"},
     # FSDP2 per chunk: every schedule; zbv's V placement puts the tied embedding and head in
-    # two chunks of rank 0 (that weight stays whole, all-reduced); vpp2 ties across ranks
+    # two chunks of rank 0 (that weight stays whole, all-reduced); vpp2 ties across ranks.
+    # reshard_after_forward and recompute with FSDP2 are proven at engine level
+    # (test_fsdp_chunks: 1f1b-reshard-after-forward, 1f1b-recompute, zbv-recompute).
     {"name": "gpipe_fsdp", **PP2, "schedule": "gpipe", "fsdp": True},
     {"name": "1f1b_fsdp", **PP2, "fsdp": True, "timeline": True},
     {"name": "zbh1_fsdp", **PP2, "schedule": "zb-h1", "fsdp": True},
     {"name": "zbv_fsdp", **PP2, "schedule": "zbv", "fsdp": True, "timeline": True},
     {"name": "il_fsdp_acc2", **PP2, "vpp": 2, "accumulate": 2, "fsdp": True},
-    {"name": "1f1b_fsdp_reshard", **PP2, "fsdp": True, "reshard_after_forward": True},
-    {"name": "zbv_fsdp_recompute", **PP2, "schedule": "zbv", "fsdp": True, "recompute": "full"},
     {"name": "il_fsdp_bf16", **PP2, "vpp": 2, "fsdp": True, "precision": "bf16-mixed"},
     # unsharded, same shapes: the memory figures' baseline
     {"name": "1f1b_z0", **PP2},
