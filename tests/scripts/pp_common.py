@@ -151,8 +151,22 @@ class GradNormProbe(Callback):
         self.norms.append(float(torch.cat(grads).norm()))
 
 
+#: (accumulate, model) -> the reference's record: the test session computes each reference once,
+#: whichever module asks first (test_strategy and test_sharded_dp read the same two)
+_REFERENCES: dict[tuple[int, str], dict[str, Any]] = {}
+
+
 def run_reference(accumulate: int, ckpt_dir: str, model: str = "gpt") -> dict[str, Any]:
-    """The same module (:func:`make_model`) under a plain single-process Trainer."""
+    """The same module (:func:`make_model`) under a plain single-process Trainer. Computed once
+    per process for each ``(accumulate, model)``; ``ckpt_dir`` is the first call's (the record
+    names the best checkpoint's file, not its directory)."""
+    key = (accumulate, model)
+    if key not in _REFERENCES:
+        _REFERENCES[key] = _train_reference(accumulate, ckpt_dir, model)
+    return _REFERENCES[key]
+
+
+def _train_reference(accumulate: int, ckpt_dir: str, model: str) -> dict[str, Any]:
     rec, norms = Recorder(), GradNormProbe()
     trainer = make_trainer("auto", 1, accumulate, ckpt_dir, [rec, norms])
     trainer.fit(make_model(model), Data(dp=1, accumulate=accumulate))
