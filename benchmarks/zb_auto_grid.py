@@ -61,18 +61,45 @@ def costs_for(ratio: tuple[float, float, float], pp: int, vpp: int, heavy: bool)
 
 
 def lower_bound(costs: Costs, pp: int, m: int, vpp: int) -> float:
-    """A makespan no schedule of this layout can beat: every rank's busy time (F + I + W of
-    each microbatch-chunk) plus the time before its first stage can start (microbatch 0's
-    forward through the stages before it). Shows how much room was left to win."""
+    """A makespan no schedule of this layout can beat (``vpp = 2``: V placement, else loop).
+
+    Two facts hold for every schedule, whatever its order and memory:
+
+    * no work of virtual stage ``s`` can start before ``E_s``, the forward of microbatch 0
+      through the stages before it (the sum of their ``F``);
+    * no backward anywhere can start before the forward of microbatch 0 has crossed the last
+      stage, which is after every ``E_s``. So before ``E_s`` a rank can only run forwards of
+      its stages that start earlier, at most ``min(m * F_s', E_s - E_s')`` of each, and at most
+      ``E_s`` minus its first start in all.
+
+    Everything else the rank owes (``m`` times ``F`` and the cheaper of ``B`` and ``I + W`` for
+    each of its chunks) runs after ``E_s`` on that one rank. The bound is the largest
+    ``E_s + owed`` over ranks and their stages. Communication latency only adds time. At the
+    rank's first stage this is the plain "busy time plus start-up delay" bound; at a later stage
+    it also counts that the rank idles before its later chunk's inputs exist (V placement: rank
+    0 holds the first and the last stage), which the plain bound misses.
+    """
     placement = "v" if vpp == 2 else "loop"
     shell = Schedule("lb", pp, vpp, m, tuple(() for _ in range(pp)), placement=placement)
     per = [[costs.chunk_costs(shell, r, c) for c in range(vpp)] for r in range(pp)]
-    f_of_stage = [per[r][c][Op.F] for r, c in map(shell.locate, range(pp * vpp))]
+    where = [shell.locate(s) for s in range(pp * vpp)]
+    f_of_stage = [per[r][c][Op.F] for r, c in where]
+    earliest = [sum(f_of_stage[:s]) for s in range(pp * vpp)]
     bound = 0.0
     for r in range(pp):
-        busy = m * sum(per[r][c][Op.F] + per[r][c][Op.I] + per[r][c][Op.W] for c in range(vpp))
-        first = min(shell.stages_of(r))
-        bound = max(bound, busy + sum(f_of_stage[:first]))
+        owed = m * sum(
+            per[r][c][Op.F] + min(per[r][c][Op.B], per[r][c][Op.I] + per[r][c][Op.W])
+            for c in range(vpp)
+        )
+        mine = sorted(shell.stages_of(r), key=lambda s: earliest[s])
+        first = earliest[mine[0]]
+        for s in mine:
+            ahead = sum(
+                min(m * f_of_stage[e], earliest[s] - earliest[e])
+                for e in mine
+                if earliest[e] < earliest[s]
+            )
+            bound = max(bound, earliest[s] + owed - min(ahead, earliest[s] - first))
     return bound
 
 
