@@ -112,12 +112,12 @@ def summary() -> str | None:
     if not _spans:
         return None
     end = max(e for _, e in _spans.values())
-    busy = sum(e - b for b, e in _spans.values())
-    ranked = sorted(_spans, key=lambda n: _spans[n][0] - _spans[n][1])
-    slowest = ", ".join(f"{n} {_spans[n][1] - _spans[n][0]:.0f} s" for n in ranked[:8])
+    took = {name: e - b for name, (b, e) in _spans.items()}
+    ranked = sorted(took, key=took.__getitem__, reverse=True)
+    slowest = ", ".join(f"{n} {took[n]:.0f} s" for n in ranked[:8])
     return (
-        f"background jobs: {len(_spans)} ran {WORKERS} at a time, {busy:.0f} s of job time, the "
-        f"last ended {end:.0f} s after the first started; slowest: {slowest}"
+        f"background jobs: {len(_spans)} ran {WORKERS} at a time, {sum(took.values()):.0f} s of "
+        f"job time, the last ended {end:.0f} s after the first started; slowest: {slowest}"
     )
 
 

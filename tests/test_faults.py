@@ -521,7 +521,8 @@ def test_trainer_job_prints_the_cause_once():
 
 # ---- collectives outside the pipeline: data-parallel, tied weights, Lightning's -----------------
 
-# broadcast last: its source stops after the size message, the others then wait for the payload
+# each kind in a 3-rank world of its own (broadcast's source stops after the size message, the
+# others then wait for the payload: nothing of it reaches another kind)
 COLLECTIVE_CASES = ["dp_grad", "tied", "barrier", "reduce", "abort", "broadcast"]
 SLEEP = 5.0  # rank 1 is stuck in user code this long before each collective
 COLLECTIVE_WATCHDOG = 1.0
@@ -549,34 +550,33 @@ def _collective(kind, rank, group, world_size):
         strategy.reduce(torch.ones(1), reduce_op="mean")
 
 
-def _collective_worker(rank, world_size, cases):
+def _collective_worker(rank, world_size, kind):
+    """One watched collective of ``kind`` while rank 1 is stuck in user code; rank 0's outcome
+    is what the test reads: (exception name or "finished", its text, seconds it waited)."""
     import lightning_pp.strategy.process_group  # noqa: F401  (imported before any timing: slow)
     from lightning_pp.runtime.failure import set_collective_monitor
 
     base = dist.distributed_c10d._get_default_store()
-    out = []
-    for i, kind in enumerate(cases):
-        store = dist.PrefixStore(f"collective{i}", base)
-        set_collective_monitor(
-            FailureMonitor(
-                store, rank, watchdog_timeout=COLLECTIVE_WATCHDOG, pipeline_ranks=range(world_size)
-            )
+    store = dist.PrefixStore("collective", base)
+    set_collective_monitor(
+        FailureMonitor(
+            store, rank, watchdog_timeout=COLLECTIVE_WATCHDOG, pipeline_ranks=range(world_size)
         )
-        group = dist.new_group(list(range(world_size)))
-        if rank == 1:
-            time.sleep(SLEEP)  # stuck in user code; joins the collective afterwards
-        if kind == "abort" and rank == 2:
-            report_failure(store, 2, "on_validation_end", InjectedFault("boom"))
-        t0 = time.monotonic()
-        try:
-            _collective(kind, rank, group, world_size)
-            out.append(("finished", "", time.monotonic() - t0))
-        except Exception as e:
-            out.append((type(e).__name__, str(e), time.monotonic() - t0))
-        # the abandoned works complete once rank 1 has joined: line up before the next case
-        base.set(f"collective{i}/done/{rank}", "1")
-        keys = [f"collective{i}/done/{r}" for r in range(world_size)]
-        base.wait(keys, timedelta(seconds=120))
+    )
+    group = dist.new_group(list(range(world_size)))
+    if rank == 1:
+        time.sleep(SLEEP)  # stuck in user code; joins the collective afterwards
+    if kind == "abort" and rank == 2:
+        report_failure(store, 2, "on_validation_end", InjectedFault("boom"))
+    t0 = time.monotonic()
+    try:
+        _collective(kind, rank, group, world_size)
+        out = ("finished", "", time.monotonic() - t0)
+    except Exception as e:
+        out = (type(e).__name__, str(e), time.monotonic() - t0)
+    # the abandoned works complete once rank 1 has joined: no rank leaves before that
+    base.set(f"collective/done/{rank}", "1")
+    base.wait([f"collective/done/{r}" for r in range(world_size)], timedelta(seconds=120))
     return out
 
 
@@ -585,12 +585,10 @@ def test_collectives_outside_the_pipeline_are_watched():
     # one after another they were 30 s of this file's quiet tail, tests/conftest.py)
     with ThreadPoolExecutor(len(COLLECTIVE_CASES)) as pool:
         worlds = [
-            pool.submit(
-                run_distributed, _collective_worker, WORLD, [kind], timeout=240, grace=GRACE
-            )
+            pool.submit(run_distributed, _collective_worker, WORLD, kind, timeout=240, grace=GRACE)
             for kind in COLLECTIVE_CASES
         ]
-        rank0 = [w.result()[0][0] for w in worlds]
+        rank0 = [w.result()[0] for w in worlds]
     what = {
         "dp_grad": "in the data-parallel gradient all_reduce (bucket 0, 4 values)",
         "tied": "in the tied-gradient all_reduce of layers.0.weight",
