@@ -24,10 +24,11 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from lightning_pp.schedules import Costs, Op, Schedule, one_f_one_b, simulate, zb_h1, zbv
-from lightning_pp.schedules.auto import zb_auto
+from lightning_pp.schedules.auto import memory_limits, zb_auto
 
 RATIOS: tuple[tuple[float, float, float], ...] = (
     (1, 1, 1),
@@ -37,6 +38,8 @@ RATIOS: tuple[tuple[float, float, float], ...] = (
 )
 PPS = (2, 4, 8)
 HEAVY = 1.5
+#: the memory every schedule of the comparison keeps to: 1F1B's peak (see the module notes)
+MEMORY = "1p"
 
 
 def costs_for(ratio: tuple[float, float, float], pp: int, vpp: int, heavy: bool) -> Costs:
@@ -60,24 +63,36 @@ def costs_for(ratio: tuple[float, float, float], pp: int, vpp: int, heavy: bool)
     return Costs(t_f=t_f, t_b=t_i + t_w, t_i=t_i, t_w=t_w, overrides=overrides)
 
 
-def lower_bound(costs: Costs, pp: int, m: int, vpp: int) -> float:
-    """A makespan no schedule of this layout can beat (``vpp = 2``: V placement, else loop).
+def lower_bound(
+    costs: Costs, pp: int, m: int, vpp: int, memory: str | int | Sequence[int] | None = None
+) -> float:
+    """A makespan no schedule of this layout can beat (``vpp = 2``: V placement, else loop);
+    with ``memory`` (:func:`~lightning_pp.schedules.auto.memory_limits`: ``"1p"``, an int, or
+    one int per rank), none that keeps at most that many microbatch-chunks in flight per rank.
 
-    Two facts hold for every schedule, whatever its order and memory:
+    Three facts hold for every schedule, whatever its order:
 
     * no work of virtual stage ``s`` can start before ``E_s``, the forward of microbatch 0
       through the stages before it (the sum of their ``F``);
     * no backward anywhere can start before the forward of microbatch 0 has crossed the last
       stage, which is after every ``E_s``. So before ``E_s`` a rank can only run forwards of
       its stages that start earlier, at most ``min(m * F_s', E_s - E_s')`` of each, and at most
-      ``E_s`` minus its first start in all.
+      ``E_s`` minus its first start in all;
+    * the last microbatch's backward crosses the stages one after another. Once a rank's
+      lowest stage ``s`` has done it, the stages below still owe theirs in turn (each the
+      cheaper of ``I`` and ``B``, stage 0 the cheaper of ``B`` and ``I + W``, plus the hops):
+      the *tail* of ``s``. All the rank has left by then are ``W``'s still pending, each
+      holding a microbatch-chunk in flight: at most ``memory``'s limit of them.
 
-    Everything else the rank owes (``m`` times ``F`` and the cheaper of ``B`` and ``I + W`` for
-    each of its chunks) runs after ``E_s`` on that one rank. The bound is the largest
-    ``E_s + owed`` over ranks and their stages. Communication latency only adds time. At the
-    rank's first stage this is the plain "busy time plus start-up delay" bound; at a later stage
-    it also counts that the rank idles before its later chunk's inputs exist (V placement: rank
-    0 holds the first and the last stage), which the plain bound misses.
+    Everything the rank owes (``m`` times ``F`` and the cheaper of ``B`` and ``I + W`` for each
+    of its chunks) runs on that one rank, after ``E_s`` but for those early forwards: the bound
+    is the largest ``E_s + owed`` over ranks and their stages, plus what the tail leaves idle
+    where the pending ``W``'s cannot fill it (``tail - W's``, if positive). Communication
+    latency only adds time. At the rank's first stage the first two facts give the plain "busy
+    time plus start-up delay" bound; at a later stage they also count that the rank idles
+    before its later chunk's inputs exist (V placement: rank 0 holds the first and the last
+    stage). The tail counts the drain 1F1B-like orders end with, which only deferring more
+    ``W``'s (more memory) can fill.
     """
     placement = "v" if vpp == 2 else "loop"
     shell = Schedule("lb", pp, vpp, m, tuple(() for _ in range(pp)), placement=placement)
@@ -85,6 +100,7 @@ def lower_bound(costs: Costs, pp: int, m: int, vpp: int) -> float:
     where = [shell.locate(s) for s in range(pp * vpp)]
     f_of_stage = [per[r][c][Op.F] for r, c in where]
     earliest = [sum(f_of_stage[:s]) for s in range(pp * vpp)]
+    limits = None if memory is None else memory_limits(memory, pp, vpp)
     bound = 0.0
     for r in range(pp):
         owed = m * sum(
@@ -93,14 +109,44 @@ def lower_bound(costs: Costs, pp: int, m: int, vpp: int) -> float:
         )
         mine = sorted(shell.stages_of(r), key=lambda s: earliest[s])
         first = earliest[mine[0]]
+        # the drain below the rank's lowest stage, less the pending W's that can fill it
+        idle_at_end = _tail(costs, per, where, min(mine)) - _deferrable_w(per[r], m, limits, r)
+        lateness = max(0.0, idle_at_end)
         for s in mine:
             ahead = sum(
                 min(m * f_of_stage[e], earliest[s] - earliest[e])
                 for e in mine
                 if earliest[e] < earliest[s]
             )
-            bound = max(bound, earliest[s] + owed - min(ahead, earliest[s] - first))
+            bound = max(bound, earliest[s] + owed - min(ahead, earliest[s] - first) + lateness)
     return bound
+
+
+def _tail(
+    costs: Costs, per: list[list[dict[Op, float]]], where: list[tuple[int, int]], stage: int
+) -> float:
+    """The least time from the end of the last microbatch's backward at ``stage`` to the end of
+    the whole backward: the stages below in turn (each the cheaper of ``I`` and ``B``; stage 0
+    the cheaper of ``B`` and ``I + W``, its ``W`` being the step's last work there), plus a hop
+    latency between stages on different ranks."""
+    tail = 0.0
+    for s in range(stage - 1, -1, -1):
+        r, c = where[s]
+        d = per[r][c]
+        tail += min(d[Op.B], d[Op.I] + d[Op.W]) if s == 0 else min(d[Op.I], d[Op.B])
+        if where[s + 1][0] != r:
+            tail += costs.latency
+    return tail
+
+
+def _deferrable_w(
+    per_rank: list[dict[Op, float]], m: int, limits: tuple[int, ...] | None, rank: int
+) -> float:
+    """The most ``W`` time a rank can still owe once its last backward has run: its pending
+    ``W``'s, each a microbatch-chunk in flight, so at most the rank's memory limit of them (the
+    longest ones); every ``W`` without a limit."""
+    ws = sorted((d[Op.W] for d in per_rank for _ in range(m)), reverse=True)
+    return sum(ws if limits is None else ws[: limits[rank]])
 
 
 @dataclass(frozen=True)
@@ -114,7 +160,7 @@ class Case:
     hand: dict[str, float]  # handcrafted name -> makespan
     auto_loop: float
     auto_v: float
-    bound: float  # the lower bound of the better layout (:func:`lower_bound`)
+    bound: float  # the lower bound of the better layout at MEMORY (:func:`lower_bound`)
 
     @property
     def best_hand(self) -> tuple[str, float]:
@@ -144,7 +190,7 @@ def run_case(pp: int, m: int, ratio: tuple[float, float, float], heavy: bool) ->
     }
     auto_loop = simulate(zb_auto(pp, m, vpp=1, costs=c1), c1).makespan
     auto_v = simulate(zb_auto(pp, m, vpp=2, costs=c2), c2).makespan
-    bound = min(lower_bound(c1, pp, m, 1), lower_bound(c2, pp, m, 2))
+    bound = min(lower_bound(c1, pp, m, 1, MEMORY), lower_bound(c2, pp, m, 2, MEMORY))
     return Case(pp, m, ratio, heavy, hand, auto_loop, auto_v, bound)
 
 
