@@ -38,6 +38,7 @@ Example (inside an initialised process group of ``pp`` ranks)::
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import torch
@@ -58,6 +59,13 @@ def _tag(stage: int, grad: bool) -> int:
     return 2 * stage + int(grad)
 
 
+def _timed_wait(work: dist.Work) -> float:
+    """Wait for ``work``; return the seconds it blocked."""
+    t0 = time.perf_counter()
+    work.wait()
+    return time.perf_counter() - t0
+
+
 def build_bare_step(
     workload: Workload,
     schedule: str,
@@ -67,8 +75,14 @@ def build_bare_step(
     rank: int,
     device: torch.device,
     stats: RankStats,
+    log: list[tuple[str, float, float]] | None = None,
 ) -> tuple[Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None], list[nn.Parameter]]:
-    """Return ``(step(x, y) -> loss or None, local parameters)``, like the other builders."""
+    """Return ``(step(x, y) -> loss or None, local parameters)``, like the other builders.
+
+    ``log``: if given, each step replaces its contents with one ``(op, seconds, seconds blocked
+    on a receive)`` per action, in order (``benchmarks/ops_vs_bare.py`` compares them with our
+    engine's step records); two clock reads and one wait stamp per action, nothing else.
+    """
     inner: list[PipelineChunk] = []  # the chunks inside their meters, for their layers
 
     def metered(sched: Schedule, c: int, chunk: PipelineChunk) -> nn.Module:
@@ -117,66 +131,73 @@ def build_bare_step(
         stash: dict[tuple[int, int], tuple] = {}
         sends: list = []
         total = None
+        if log is not None:
+            log.clear()
         for a in actions:
-            c, mb = a.chunk, a.mb
-            s = stages[c]
-            if a.op is Op.F:
-                if s == 0:
-                    inp = xs[mb].to(device)
-                elif (c, mb) in acts:
-                    work, inp = acts.pop((c, mb))
-                    work.wait()
-                    inp.requires_grad_()
-                else:
-                    inp = local_act.pop((s, mb))
-                outs.clear()
-                out = chunks[c](inp)
-                layer_outs = list(outs)
-                if s == last:
-                    loss = Workload.loss_fn(out, ys[mb].to(device))
-                    total = loss.detach() if total is None else total + loss.detach()
-                    out = loss / m
-                elif (dst := peer(s + 1)) is not None:
-                    sends.append(dist.isend(out.detach(), dst, tag=_tag(s + 1, False)))
-                else:
-                    local_act[s + 1, mb] = out.detach().requires_grad_()
-                stash[c, mb] = (inp, out, None, layer_outs, None)
-                continue
-            inp, out, g, layer_outs, layer_grads = stash[c, mb]
-            if a.op is Op.W:
-                if layer_grads is None:  # the first stage: I was a no-op, W is the backward
-                    torch.autograd.backward(out, g, inputs=chunk_params[c])
-                else:
-                    for h, gh, ps in zip(layer_outs, layer_grads, layer_params[c]):
-                        if ps:  # a layer without trainable weights has no W
-                            torch.autograd.backward(h, gh, inputs=ps)
-                del stash[c, mb]
-                continue
-            if s == last:
-                g = None
-            elif (c, mb) in grads:
-                work, g = grads.pop((c, mb))
-                work.wait()
-            else:
-                g = local_grad.pop((s, mb))
-            if a.op is Op.B or not inp.requires_grad:
-                # a fused backward, or the first stage's I (no input gradient): W then does it
-                if a.op is Op.B:
-                    torch.autograd.backward(out, g)
+            start, blocked = time.perf_counter(), 0.0
+            try:
+                c, mb = a.chunk, a.mb
+                s = stages[c]
+                if a.op is Op.F:
+                    if s == 0:
+                        inp = xs[mb].to(device)
+                    elif (c, mb) in acts:
+                        work, inp = acts.pop((c, mb))
+                        blocked = _timed_wait(work)
+                        inp.requires_grad_()
+                    else:
+                        inp = local_act.pop((s, mb))
+                    outs.clear()
+                    out = chunks[c](inp)
+                    layer_outs = list(outs)
+                    if s == last:
+                        loss = Workload.loss_fn(out, ys[mb].to(device))
+                        total = loss.detach() if total is None else total + loss.detach()
+                        out = loss / m
+                    elif (dst := peer(s + 1)) is not None:
+                        sends.append(dist.isend(out.detach(), dst, tag=_tag(s + 1, False)))
+                    else:
+                        local_act[s + 1, mb] = out.detach().requires_grad_()
+                    stash[c, mb] = (inp, out, None, layer_outs, None)
+                    continue
+                inp, out, g, layer_outs, layer_grads = stash[c, mb]
+                if a.op is Op.W:
+                    if layer_grads is None:  # the first stage: I was a no-op, W is the backward
+                        torch.autograd.backward(out, g, inputs=chunk_params[c])
+                    else:
+                        for h, gh, ps in zip(layer_outs, layer_grads, layer_params[c]):
+                            if ps:  # a layer without trainable weights has no W
+                                torch.autograd.backward(h, gh, inputs=ps)
                     del stash[c, mb]
+                    continue
+                if s == last:
+                    g = None
+                elif (c, mb) in grads:
+                    work, g = grads.pop((c, mb))
+                    blocked = _timed_wait(work)
                 else:
-                    stash[c, mb] = (inp, out, g, layer_outs, None)
-                gin = inp.grad if inp.requires_grad else None
-            else:
-                gin, *layer_grads = torch.autograd.grad(
-                    out, [inp, *layer_outs], g, retain_graph=True
-                )
-                stash[c, mb] = (inp, out, g, layer_outs, layer_grads)
-            if s > 0:
-                if (dst := peer(s - 1)) is not None:
-                    sends.append(dist.isend(gin, dst, tag=_tag(s - 1, True)))
+                    g = local_grad.pop((s, mb))
+                if a.op is Op.B or not inp.requires_grad:
+                    # a fused backward, or the first stage's I (no input gradient): W then does it
+                    if a.op is Op.B:
+                        torch.autograd.backward(out, g)
+                        del stash[c, mb]
+                    else:
+                        stash[c, mb] = (inp, out, g, layer_outs, None)
+                    gin = inp.grad if inp.requires_grad else None
                 else:
-                    local_grad[s - 1, mb] = gin
+                    gin, *layer_grads = torch.autograd.grad(
+                        out, [inp, *layer_outs], g, retain_graph=True
+                    )
+                    stash[c, mb] = (inp, out, g, layer_outs, layer_grads)
+                if s > 0:
+                    if (dst := peer(s - 1)) is not None:
+                        sends.append(dist.isend(gin, dst, tag=_tag(s - 1, True)))
+                    else:
+                        local_grad[s - 1, mb] = gin
+            finally:
+                if log is not None:
+                    log.append((a.op.value, time.perf_counter() - start, blocked))
         for work in sends:
             work.wait()
         return None if total is None else total / m

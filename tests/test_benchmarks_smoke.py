@@ -230,14 +230,26 @@ def _bare_worker(rank: int, world: int) -> dict:
     out = {}
     for schedule, vpp in (("1f1b", 1), ("zb-h1", 1), ("zbv", 2), ("interleaved", 2)):
         got = {}
+        log: list = []
         for impl, build in (("ours", build_ours_step), ("bare", build_bare_step)):
-            step, params = build(w, schedule, world, vpp, 4, rank, dev, RankStats())
+            extra = (log,) if impl == "bare" else ()
+            step, params = build(w, schedule, world, vpp, 4, rank, dev, RankStats(), *extra)
             x, y = w.batch(4)
             loss = step(x, y)
             grads = [p.grad.flatten().tolist() for p in params]
             got[impl] = (None if loss is None else float(loss), grads)
+        # the bare log (benchmarks/ops_vs_bare.py): one entry per action, in the rank's order
+        got["log_ops"] = [op for op, _, _ in log]
+        got["log_ok"] = all(d >= b >= 0.0 for _, d, b in log)
+        got["actions"] = [a.op.value for a in schedule_of(schedule, world, vpp).ranks[rank]]
         out[schedule] = got
     return out
+
+
+def schedule_of(name: str, pp: int, vpp: int):
+    from lightning_pp.schedules import build_schedule
+
+    return build_schedule(name, pp=pp, microbatches=4, vpp=vpp)
 
 
 def test_bare_executor_computes_what_ours_computes():
@@ -248,6 +260,7 @@ def test_bare_executor_computes_what_ours_computes():
 
     for rank, res in enumerate(run_distributed(_bare_worker, 2, timeout=120)):
         for schedule, got in res.items():
+            assert got["log_ops"] == got["actions"] and got["log_ok"], (rank, schedule, got)
             (l_ours, g_ours), (l_bare, g_bare) = got["ours"], got["bare"]
             assert (l_ours is None) == (l_bare is None), (rank, schedule)
             if l_ours is not None:
@@ -258,6 +271,20 @@ def test_bare_executor_computes_what_ours_computes():
                     rank,
                     schedule,
                 )
+
+
+def test_ops_vs_bare_script(capsys):
+    """benchmarks/ops_vs_bare.py at toy sizes: both executors' rows for every rank, with a
+    time for each op the rank runs (structure only, no timing)."""
+    from benchmarks import ops_vs_bare
+
+    argv = ["--pp", "2", "--microbatches", "2", "--rounds", "3", "--t", "0.001"]
+    ops_vs_bare.main([*argv, "--schedule", "zb-h1"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert rows[0].startswith("| impl | rank | step ms |") and len(rows) == 1 + 2 * 2
+    for row in rows[1:]:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert cells[0] in ("ours", "bare") and all(float(c) >= 0 for c in cells[2:]), row
 
 
 def test_zero_bubble_report_renders_targets_and_bare_rows():
