@@ -31,6 +31,7 @@ import os
 import queue as queue_mod
 import signal
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -63,6 +64,34 @@ class DistributedFailure(AssertionError):
         self.killed = killed or []
 
 
+def owner_link(ctx: Any) -> tuple[Any, Any]:
+    """``(for the ranks, for the test session)``: a pipe whose session end the caller keeps open
+    while its ranks may live (:func:`die_with_owner` in each rank). Nothing is ever sent on it."""
+    return ctx.Pipe(duplex=False)
+
+
+def die_with_owner(link: Any) -> None:
+    """In a rank: kill this rank's process group once the test session's end of ``link`` is
+    closed, whatever ended the session (a SIGKILL included: the kernel closes the pipe).
+
+    Why: the ranks run in sessions of their own (``setsid``, so that a case can kill a rank
+    with what it started), so a test session killed outright takes none of them along. A
+    shared world's rank then waits for cases forever, and keeps the forkserver (which holds
+    torch and Lightning) alive with it: three idle processes and a server per world, orphaned
+    until someone kills them by hand."""
+
+    def watch() -> None:
+        try:
+            link.recv()  # returns only at EOF (raises): the session never writes
+        except (EOFError, OSError):
+            pass
+        if os.getpgid(0) == os.getpid():  # this rank leads its group (setsid above)
+            os.killpg(os.getpid(), signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="lpp-tests-die-with-owner", daemon=True).start()
+
+
 def _worker(
     fn: Callable[..., Any],
     rank: int,
@@ -73,11 +102,13 @@ def _worker(
     pg_timeout: float,
     backend: str,
     dump_after: float,
+    owner: Any,
 ) -> None:
     try:  # own process group, so the parent can kill this worker and its children together
         os.setsid()
     except OSError:
         pass
+    die_with_owner(owner)
     # A hung rank prints every thread's stack to stderr shortly before the parent kills it.
     faulthandler.dump_traceback_later(max(1.0, dump_after), exit=False)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -165,14 +196,18 @@ def run_distributed(
     fd, init_file = tempfile.mkstemp(prefix="lpp_store_")
     os.close(fd)
     os.unlink(init_file)  # FileStore creates it; a stale file from another run would confuse it
+    for_ranks, owner = owner_link(ctx)
     procs = [
         ctx.Process(
             target=_worker,
-            args=(fn, r, world_size, init_file, args, results, pg_timeout, backend, timeout - 3),
+            args=(
+                fn, r, world_size, init_file, args, results, pg_timeout, backend, timeout - 3,
+                for_ranks,
+            ),
             daemon=True,
         )
         for r in range(world_size)
-    ]
+    ]  # fmt: skip
     for p in procs:
         p.start()
     done: dict[int, Any] = {}
@@ -229,6 +264,8 @@ def run_distributed(
         for p in procs:
             p.join(timeout=5)
         results.close()
+        for_ranks.close()
+        owner.close()
         try:
             os.unlink(init_file)
         except OSError:

@@ -58,3 +58,66 @@ def test_a_hanging_case_is_killed_at_its_timeout():
     for pid in err.value.pids:  # every rank is gone
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+_SESSION = """
+import json, sys, time
+sys.path.insert(0, {tests!r})
+import distributed
+distributed.PRELOAD[:] = []  # a bare forkserver: the ranks import what they use (faster here)
+from worlds import World
+if __name__ == "__main__":
+    w = World("gloo", 2)
+    ranks = w.pids
+    stat = open(f"/proc/{{ranks[0]}}/stat").read()
+    server = int(stat.rsplit(")", 1)[1].split()[1])  # the ranks' parent: the forkserver
+    print(json.dumps({{"ranks": ranks, "server": server}}), flush=True)
+    time.sleep(600)
+"""
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (a dead child nobody reaped yet counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
+def test_a_killed_session_leaves_no_world_behind(tmp_path):
+    """A test session killed outright (SIGKILL: no clean-up runs) takes its world along: the
+    ranks, which run in sessions of their own, kill themselves once the session's end of their
+    owner pipe closes, and the forkserver then exits too. Before, both stayed for good."""
+    import json
+    import select
+    import signal
+    import subprocess
+    import sys
+
+    script = tmp_path / "session.py"
+    script.write_text(_SESSION.format(tests=os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
+    pids: list[int] = []
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], 120)
+        assert ready, "the session did not build its world within 120 s"
+        started = json.loads(proc.stdout.readline())
+        pids = [*started["ranks"], started["server"]]
+        assert all(_running(p) for p in pids), started
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while any(map(_running, pids)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [p for p in pids if _running(p)], f"left running: {started}"
+    finally:
+        for pid in [proc.pid, *pids]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        proc.wait(timeout=30)

@@ -49,7 +49,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from distributed import DistributedFailure, _context, _kill
+from distributed import DistributedFailure, _context, _kill, die_with_owner, owner_link
 
 __all__ = ["World", "close_all", "world"]
 
@@ -65,14 +65,17 @@ def _serve(
     tasks: Any,
     results: Any,
     log: str,
+    owner: Any,
 ) -> None:
     """One rank: set up once, then run cases until told to stop. Its output (Lightning's
     banners, the strategy's start log, warnings) goes to the file ``log``: a passing test
-    prints nothing, a failing one shows the tail of every rank's log."""
+    prints nothing, a failing one shows the tail of every rank's log. ``owner``: the ranks' end
+    of the session's :func:`~distributed.owner_link` (the rank dies with the session)."""
     try:  # own process group, so the parent can kill this rank and anything it started
         os.setsid()
     except OSError:
         pass
+    die_with_owner(owner)
     out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(out, 1)
     os.dup2(out, 2)
@@ -152,16 +155,21 @@ class World:
             init, self._init_file = str(free_port()), None
         self._logdir = tempfile.mkdtemp(prefix=f"lpp_{kind}{size}_")
         self.logs = [os.path.join(self._logdir, f"rank{r}.log") for r in range(size)]
+        # Kept open while the world lives: the ranks die when it closes (this process's end)
+        for_ranks, self._owner = owner_link(ctx)
         self._procs = [
             ctx.Process(
                 target=_serve,
-                args=(kind, r, size, init, self._tasks[r], self._results, self.logs[r]),
+                args=(
+                    kind, r, size, init, self._tasks[r], self._results, self.logs[r], for_ranks
+                ),
                 daemon=True,
             )
             for r in range(size)
-        ]
+        ]  # fmt: skip
         for p in self._procs:
             p.start()
+        for_ranks.close()
         self.alive = True
         self._collect(None, timeout=120.0)
 
@@ -266,6 +274,7 @@ class World:
                     pass
         for p in self._procs:
             p.join(timeout=5)
+        self._owner.close()
         if self._init_file is not None:
             try:
                 os.unlink(self._init_file)
