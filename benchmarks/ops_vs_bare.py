@@ -13,11 +13,15 @@ executor built side by side, their steps alternating (ABBA), and per rank:
 
 The rank the step waits for is the one whose ``fill + busy`` is largest; the difference of its
 per-op means between the two executors is our engine's own cost per action on the critical
-path. Nothing is asserted; docs/benchmarks.md reports a run.
+path. ``--variants`` adds our engine with one of its options off, in the same rotation, to
+price that option: ``ours-nomon`` (``abort_on_failure=False``: no failure monitor, no landing
+marks, plain blocking waits) and ``ours-norelease`` (``release_outputs=False``). Nothing is
+asserted; docs/benchmarks.md reports a run.
 
 Usage:
     python benchmarks/ops_vs_bare.py                          # zb-auto-2p, 1 : 1.5 : 0.5, p=4, m=8
     python benchmarks/ops_vs_bare.py --schedule zbv --ratio 1:1:1 --rounds 12
+    python benchmarks/ops_vs_bare.py --rounds 40 --variants ours-nomon ours-norelease
 """
 
 from __future__ import annotations
@@ -39,7 +43,11 @@ from benchmarks.harness import RankStats, launch, timed_step
 from benchmarks.ours import build_ours_step
 from benchmarks.workloads import Workload
 
-IMPLS = ("ours", "bare")
+#: our engine with one option off (``build_ours_step``'s keyword arguments)
+VARIANTS: dict[str, dict[str, bool]] = {
+    "ours-nomon": {"monitor": False},
+    "ours-norelease": {"release_outputs": False},
+}
 
 
 def _workload(ratio: tuple[float, float, float], t: float, overhead: float) -> Workload:
@@ -56,27 +64,35 @@ def _workload(ratio: tuple[float, float, float], t: float, overhead: float) -> W
 
 
 def _worker(rank: int, world: int, device: torch.device, args: tuple) -> dict[str, list]:
-    schedule, m, rounds, ratio, t, overhead = args
+    schedule, m, rounds, ratio, t, overhead, impls = args
     w = _workload(ratio, t, overhead)
     vpp = SCHEDULE_VPP[schedule]
     bare_log: list[tuple[str, float, float]] = []
-    ours, _ = build_ours_step(w, schedule, world, vpp, m, rank, device, RankStats())
-    bare, _ = build_bare_step(w, schedule, world, vpp, m, rank, device, RankStats(), bare_log)
-    steps = {"ours": ours, "bare": bare}
+    steps = {}
+    for impl in impls:
+        if impl == "bare":
+            steps[impl] = build_bare_step(
+                w, schedule, world, vpp, m, rank, device, RankStats(), bare_log
+            )[0]
+        else:
+            options = VARIANTS.get(impl, {})
+            steps[impl] = build_ours_step(
+                w, schedule, world, vpp, m, rank, device, RankStats(), **options
+            )[0]
     x, y = w.batch(m)
-    out: dict[str, list] = {impl: [] for impl in IMPLS}
+    out: dict[str, list] = {impl: [] for impl in impls}
     for rnd in range(rounds):
-        for impl in IMPLS if rnd % 2 == 0 else IMPLS[::-1]:
+        for impl in impls if rnd % 2 == 0 else impls[::-1]:
             c0 = time.process_time()
             wall, _, _ = timed_step(lambda impl=impl: steps[impl](x, y), device)
             cpu = time.process_time() - c0
             if rnd < 2:  # warm-up rounds
                 continue
-            if impl == "ours":
-                rec = ours.records[-1]  # type: ignore[attr-defined]
-                log = [(e.action.op.value, e.duration, e.comm_wait) for e in rec.events]
-            else:
+            if impl == "bare":
                 log = list(bare_log)
+            else:
+                rec = steps[impl].records[-1]  # type: ignore[attr-defined]
+                log = [(e.action.op.value, e.duration, e.comm_wait) for e in rec.events]
             out[impl].append((wall, cpu, log))
     return out
 
@@ -88,7 +104,7 @@ def summarize(results: list[dict[str, list]]) -> list[str]:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     med = statistics.median
-    for impl in IMPLS:
+    for impl in results[0]:
         for rank, res in enumerate(results):
             runs = res[impl]
 
@@ -121,6 +137,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--overhead", type=float, default=0.00095, help="per-action overhead zb-auto plans with (s)"
     )
+    ap.add_argument(
+        "--variants", nargs="*", default=[], choices=list(VARIANTS), help="ours with an option off"
+    )
     a = ap.parse_args(argv)
     ours = sorted(set(SCHEDULE_VPP) - TORCH_ONLY)
     if a.schedule not in ours:
@@ -132,7 +151,8 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"--ratio needs three numbers t_f:t_i:t_w, got {a.ratio!r}")
     torch.set_num_threads(1)
     load = os.getloadavg()
-    args = (a.schedule, a.microbatches, a.rounds, ratio, a.t, a.overhead)
+    impls = ("ours", *a.variants, "bare")
+    args = (a.schedule, a.microbatches, a.rounds, ratio, a.t, a.overhead, impls)
     results = launch(_worker, a.pp, args, timeout=1800)
     print(
         f"{a.schedule}, t_f:t_i:t_w = {a.ratio} (t_f = {a.t * 1e3:g} ms per rank share), "

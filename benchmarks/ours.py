@@ -107,11 +107,13 @@ def build_ours_step(
     *,
     monitor: bool = True,
     recv_lookahead: int | None = None,
+    release_outputs: bool = True,
 ) -> tuple[Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None], list[nn.Parameter]]:
     """Return ``(step(x, y) -> loss or None, local parameters)``, like the torch peer's builder.
 
     ``monitor=False`` turns the engine's failure monitor off (``abort_on_failure=False``);
-    ``recv_lookahead`` overrides the engine's default.
+    ``recv_lookahead`` overrides the engine's default; ``release_outputs=False`` keeps sent
+    outputs whole (the engine's option of that name).
     """
 
     def metered(sched: Schedule, c: int, chunk: PipelineChunk) -> nn.Module:
@@ -125,6 +127,7 @@ def build_ours_step(
     engine, params, is_last = build_ours_engine(
         workload, schedule, pp, vpp, microbatches, rank, device,
         wrap=metered, abort_on_failure=monitor, recv_lookahead=recv_lookahead,
+        release_outputs=release_outputs,
     )  # fmt: skip
     records: list = []  # the engine's step records (measured per-action compute: t_i, t_w)
 

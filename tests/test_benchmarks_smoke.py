@@ -279,12 +279,14 @@ def test_ops_vs_bare_script(capsys):
     from benchmarks import ops_vs_bare
 
     argv = ["--pp", "2", "--microbatches", "2", "--rounds", "3", "--t", "0.001"]
-    ops_vs_bare.main([*argv, "--schedule", "zb-h1"])
+    ops_vs_bare.main([*argv, "--schedule", "zb-h1", "--variants", "ours-nomon"])
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
-    assert rows[0].startswith("| impl | rank | step ms |") and len(rows) == 1 + 2 * 2
+    assert rows[0].startswith("| impl | rank | step ms |") and len(rows) == 1 + 3 * 2
+    impls = ("ours", "ours-nomon", "bare")
+    assert [row.split("|")[1].strip() for row in rows[1:]] == [i for i in impls for _ in "01"]
     for row in rows[1:]:
         cells = [c.strip() for c in row.strip("|").split("|")]
-        assert cells[0] in ("ours", "bare") and all(float(c) >= 0 for c in cells[2:]), row
+        assert all(float(c) >= 0 for c in cells[2:]), row
 
 
 def test_zero_bubble_report_renders_targets_and_bare_rows():
