@@ -39,9 +39,11 @@ import torch
 
 from benchmarks.bare import build_bare_step
 from benchmarks.bench_pipeline import SCHEDULE_VPP, TORCH_ONLY
+from benchmarks.bench_zb_auto import _with_costs
 from benchmarks.harness import RankStats, launch, timed_step
 from benchmarks.ours import build_ours_step
 from benchmarks.workloads import Workload
+from lightning_pp.schedules import Costs
 
 #: our engine with one option off (``build_ours_step``'s keyword arguments)
 VARIANTS: dict[str, dict[str, bool]] = {
@@ -51,16 +53,12 @@ VARIANTS: dict[str, dict[str, bool]] = {
 
 
 def _workload(ratio: tuple[float, float, float], t: float, overhead: float) -> Workload:
+    """The sleep workload of ``bench_zb_auto`` at ``ratio`` (``t``: t_f of a rank's share), with
+    the costs zb-auto plans with: the layers' own and ``overhead`` per action."""
     f, i, w = ratio
-    costs = {"t_f": f * t, "t_b": (i + w) * t, "t_i": i * t, "t_w": w * t, "overhead": overhead}
-    return Workload(
-        "sleep",
-        t_f=f * t,
-        t_b=(i + w) * t,
-        t_i=i * t,
-        t_w=w * t,
-        schedule_costs=tuple(costs.items()),
-    )
+    sleep = Workload("sleep", t_f=f * t, t_b=(i + w) * t, t_i=i * t, t_w=w * t)
+    costs = Costs(t_f=f * t, t_b=(i + w) * t, t_i=i * t, t_w=w * t, overhead=overhead)
+    return _with_costs(sleep, costs)
 
 
 def _worker(rank: int, world: int, device: torch.device, args: tuple) -> dict[str, list]:

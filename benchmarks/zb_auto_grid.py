@@ -27,8 +27,17 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from lightning_pp.schedules import Costs, Op, Schedule, one_f_one_b, simulate, zb_h1, zbv
-from lightning_pp.schedules.auto import memory_limits, zb_auto
+from lightning_pp.schedules import (
+    Costs,
+    Op,
+    Schedule,
+    memory_limits,
+    one_f_one_b,
+    simulate,
+    zb_h1,
+    zbv,
+)
+from lightning_pp.schedules.auto import zb_auto
 
 RATIOS: tuple[tuple[float, float, float], ...] = (
     (1, 1, 1),

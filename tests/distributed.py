@@ -66,19 +66,24 @@ class DistributedFailure(AssertionError):
 
 def owner_link(ctx: Any) -> tuple[Any, Any]:
     """``(for the ranks, for the test session)``: a pipe whose session end the caller keeps open
-    while its ranks may live (:func:`die_with_owner` in each rank). Nothing is ever sent on it."""
+    while its ranks may live (:func:`own_session` in each rank). Nothing is ever sent on it."""
     return ctx.Pipe(duplex=False)
 
 
-def die_with_owner(link: Any) -> None:
-    """In a rank: kill this rank's process group once the test session's end of ``link`` is
-    closed, whatever ended the session (a SIGKILL included: the kernel closes the pipe).
+def own_session(link: Any) -> None:
+    """In a rank, first thing: lead a process group of its own (``setsid``), so that the parent
+    can kill the rank with whatever it started; and kill that group once the test session's end
+    of ``link`` (:func:`owner_link`) closes, whatever ended the session (a SIGKILL included: the
+    kernel closes the pipe).
 
-    Why: the ranks run in sessions of their own (``setsid``, so that a case can kill a rank
-    with what it started), so a test session killed outright takes none of them along. A
-    shared world's rank then waits for cases forever, and keeps the forkserver (which holds
-    torch and Lightning) alive with it: three idle processes and a server per world, orphaned
-    until someone kills them by hand."""
+    Why the second half: a rank in a session of its own is not taken along by a test session
+    killed outright. A shared world's rank then waits for cases forever, and keeps the forkserver
+    (which holds torch and Lightning) alive with it: three idle processes and a server per
+    world, orphaned until someone kills them by hand."""
+    try:
+        os.setsid()
+    except OSError:
+        pass
 
     def watch() -> None:
         try:
@@ -104,11 +109,7 @@ def _worker(
     dump_after: float,
     owner: Any,
 ) -> None:
-    try:  # own process group, so the parent can kill this worker and its children together
-        os.setsid()
-    except OSError:
-        pass
-    die_with_owner(owner)
+    own_session(owner)
     # A hung rank prints every thread's stack to stderr shortly before the parent kills it.
     faulthandler.dump_traceback_later(max(1.0, dump_after), exit=False)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -210,6 +211,7 @@ def run_distributed(
     ]  # fmt: skip
     for p in procs:
         p.start()
+    for_ranks.close()  # the ranks hold their copies; this process keeps only ``owner``
     done: dict[int, Any] = {}
     failures: dict[int, str] = {}
     start = time.monotonic()
@@ -264,7 +266,6 @@ def run_distributed(
         for p in procs:
             p.join(timeout=5)
         results.close()
-        for_ranks.close()
         owner.close()
         try:
             os.unlink(init_file)

@@ -224,6 +224,7 @@ def _bare_worker(rank: int, world: int) -> dict:
     from benchmarks.bare import build_bare_step
     from benchmarks.harness import RankStats
     from benchmarks.ours import build_ours_step
+    from lightning_pp.schedules import build_schedule
 
     w = Workload("sleep", t_f=0.0005, t_i=0.0005, t_w=0.0005, width=8, mb_size=2)
     dev = torch.device("cpu")
@@ -241,15 +242,10 @@ def _bare_worker(rank: int, world: int) -> dict:
         # the bare log (benchmarks/ops_vs_bare.py): one entry per action, in the rank's order
         got["log_ops"] = [op for op, _, _ in log]
         got["log_ok"] = all(d >= b >= 0.0 for _, d, b in log)
-        got["actions"] = [a.op.value for a in schedule_of(schedule, world, vpp).ranks[rank]]
+        ran = build_schedule(schedule, pp=world, microbatches=4, vpp=vpp).ranks[rank]
+        got["actions"] = [a.op.value for a in ran]
         out[schedule] = got
     return out
-
-
-def schedule_of(name: str, pp: int, vpp: int):
-    from lightning_pp.schedules import build_schedule
-
-    return build_schedule(name, pp=pp, microbatches=4, vpp=vpp)
 
 
 def test_bare_executor_computes_what_ours_computes():

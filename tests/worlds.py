@@ -49,7 +49,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from distributed import DistributedFailure, _context, _kill, die_with_owner, owner_link
+from distributed import DistributedFailure, _context, _kill, own_session, owner_link
 
 __all__ = ["World", "close_all", "world"]
 
@@ -71,11 +71,7 @@ def _serve(
     banners, the strategy's start log, warnings) goes to the file ``log``: a passing test
     prints nothing, a failing one shows the tail of every rank's log. ``owner``: the ranks' end
     of the session's :func:`~distributed.owner_link` (the rank dies with the session)."""
-    try:  # own process group, so the parent can kill this rank and anything it started
-        os.setsid()
-    except OSError:
-        pass
-    die_with_owner(owner)
+    own_session(owner)  # its own process group, tied to the session's life
     out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(out, 1)
     os.dup2(out, 2)
