@@ -8,8 +8,8 @@ executor built side by side, their steps alternating (ABBA), and per rank:
 * the step time (the pipeline's, as every benchmark measures it) and the CPU time of the rank;
 * ``fill``: how long the rank's first action waited for its input (the pipeline's start-up);
 * ``busy``: the rank's time in its actions, less the time blocked on receives;
-* the mean busy time of one ``F``, ``I`` and ``W``: ours from the engine's step records, bare
-  from its per-action log (``build_bare_step(..., log=...)``).
+* the mean busy time of one ``F``, ``B`` (a fused backward), ``I`` and ``W``: ours from the
+  engine's step records, bare from its per-action log (``build_bare_step(..., log=...)``).
 
 The rank the step waits for is the one whose ``fill + busy`` is largest; the difference of its
 per-op means between the two executors is our engine's own cost per action on the critical
@@ -98,8 +98,8 @@ def _worker(rank: int, world: int, device: torch.device, args: tuple) -> dict[st
 def summarize(results: list[dict[str, list]]) -> list[str]:
     """Markdown rows: per implementation and rank, the medians over the measured steps."""
     rows = [
-        "| impl | rank | step ms | CPU ms | fill ms | busy ms | F ms | I ms | W ms |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| impl | rank | step ms | CPU ms | fill ms | busy ms | F ms | B ms | I ms | W ms |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     med = statistics.median
     for impl in results[0]:
@@ -119,7 +119,7 @@ def summarize(results: list[dict[str, list]]) -> list[str]:
                 f"| {med(r[1] for r in runs) * 1e3:.1f} "
                 f"| {med(r[2][0][2] for r in runs) * 1e3:.1f} "
                 f"| {med(sum(d - b for _, d, b in r[2]) for r in runs) * 1e3:.1f} "
-                f"| {per_op('F')} | {per_op('I')} | {per_op('W')} |"
+                f"| {per_op('F')} | {per_op('B')} | {per_op('I')} | {per_op('W')} |"
             )
     return rows
 

@@ -280,9 +280,9 @@ def test_ops_vs_bare_script(capsys):
     assert rows[0].startswith("| impl | rank | step ms |") and len(rows) == 1 + 3 * 2
     impls = ("ours", "ours-nomon", "bare")
     assert [row.split("|")[1].strip() for row in rows[1:]] == [i for i in impls for _ in "01"]
-    for row in rows[1:]:
+    for row in rows[1:]:  # zb-h1 splits every backward: no fused B
         cells = [c.strip() for c in row.strip("|").split("|")]
-        assert all(float(c) >= 0 for c in cells[2:]), row
+        assert cells[7] == "-" and all(float(c) >= 0 for c in cells[2:7] + cells[8:]), row
 
 
 def test_zero_bubble_report_renders_targets_and_bare_rows():
