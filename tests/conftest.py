@@ -24,6 +24,14 @@ import background  # noqa: E402
 import distributed  # noqa: E402
 import worlds  # noqa: E402
 
+# Lightning, torchmetrics and transformers each give their logger a StreamHandler bound to the
+# sys.stderr of the moment they are first imported. First imported inside a test that uses
+# capsys, that stream is closed when the test ends, and every later log line of the session (a
+# Trainer's "GPU available") prints "--- Logging error ---" and a traceback into whatever test
+# runs then (`pytest tests/test_preflight.py` alone failed that way; the whole suite imported
+# Lightning while collecting). Imported here, they bind pytest's session-wide capture.
+import lightning  # noqa: E402, F401
+
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
