@@ -13,6 +13,7 @@ file, the order is pytest's own (a file's tests stay together: its module fixtur
 
 from __future__ import annotations
 
+import importlib
 import sys
 from pathlib import Path
 
@@ -23,14 +24,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import background  # noqa: E402
 import distributed  # noqa: E402
 import worlds  # noqa: E402
-
-# Lightning, torchmetrics and transformers each give their logger a StreamHandler bound to the
-# sys.stderr of the moment they are first imported. First imported inside a test that uses
-# capsys, that stream is closed when the test ends, and every later log line of the session (a
-# Trainer's "GPU available") prints "--- Logging error ---" and a traceback into whatever test
-# runs then (`pytest tests/test_preflight.py` alone failed that way; the whole suite imported
-# Lightning while collecting). Imported here, they bind pytest's session-wide capture.
-import lightning  # noqa: E402, F401
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -46,6 +39,14 @@ def pytest_configure(config: pytest.Config) -> None:
     # benchmarks' world_context (which preloads only torch) does not leave every later Trainer
     # world's ranks importing Lightning themselves.
     distributed._context()
+    # Lightning, torchmetrics and transformers each give their logger a StreamHandler bound to
+    # the sys.stderr of the moment they are first imported. First imported inside a test that
+    # uses capsys, that stream is closed when the test ends, and every later log line of the
+    # session (a Trainer's "GPU available") prints "--- Logging error ---" and a traceback into
+    # whatever test runs then (`pytest tests/test_preflight.py` alone failed that way; the whole
+    # suite imported Lightning while collecting). Imported now, they bind pytest's session-wide
+    # capture.
+    importlib.import_module("lightning")
 
 
 def _group(item: pytest.Item) -> int:
