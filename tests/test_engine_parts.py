@@ -9,6 +9,8 @@ import torch
 from lightning_pp.callbacks.gather import _pack, _unpack
 from lightning_pp.layout.topology import PipelineTopology
 from lightning_pp.runtime.engine_step import ChunkPlace, Stash, _Entry, place_chunks
+from lightning_pp.runtime.p2p_wire import ACT, PendingRecv, PendingSend, RecvRequest
+from lightning_pp.runtime.receive_window import ReceiveWindow
 from lightning_pp.runtime.records import StepRecorder
 from lightning_pp.schedules import Action, Op, Schedule, build_schedule
 
@@ -95,3 +97,57 @@ def test_recorded_events_survive_the_gather():
     assert [e.layers for e in record.events] == [0.0, 0.25, 0.5, 0.75]
     assert _unpack(_pack(record), s) == record
     assert Action(Op.F, 0) == record.events[0].action
+
+
+class _Channel:
+    """A channel in one process: records what is posted, and (like the communicator) refuses
+    to post an in-process hand-over ahead before it was produced."""
+
+    def __init__(self, rank: int) -> None:
+        self.topology = PipelineTopology(world_size=4, pp=4, dp=1, rank=rank)
+        self.produced: set[tuple[int, int]] = set()  # (stage, mb) handed over in-process
+        self.posted: list[tuple[int, int, int]] = []  # (peer, stage, mb) in posting order
+
+    def exchange(self, sends, recvs):
+        for r in recvs:
+            if r.peer == self.topology.rank:
+                assert (r.stage, r.mb) in self.produced, f"local {r} posted before produced"
+            self.posted.append((r.peer, r.stage, r.mb))
+        return PendingSend([], []), [PendingRecv(r) for r in recvs]
+
+    def exchange_ordered(self, sends, recvs):
+        raise AssertionError("not under NCCL's rules here")
+
+    def may_post_ahead(self, req: RecvRequest) -> bool:
+        return req.peer != self.topology.rank or (req.stage, req.mb) in self.produced
+
+    def receive(self, pending: PendingRecv) -> tuple:
+        return ()
+
+
+def test_the_receive_window_posts_past_a_turn_not_handed_over_yet():
+    """The turn of a V (rank 3 of pp=4: its stage 3 hands stage 4 its output in-process): the
+    window posts the remote receives behind a hand-over not produced yet, and takes the hand-over
+    when its action runs. It stopped at it, so every remote receive after a turn was posted one
+    action ahead instead of ``lookahead`` (measured: 17 of rank 3's 32 under zb-auto-2p)."""
+    rank = 3
+    acts = [("remote", 3, 0), ("local", 4, 0), ("remote", 3, 1), ("local", 4, 1), ("remote", 3, 2)]
+
+    def needs(index: int, ahead: bool) -> list[RecvRequest]:
+        where, stage, mb = acts[index]
+        peer = rank if where == "local" else 2
+        return [RecvRequest(ACT, peer, stage, mb)]
+
+    channel = _Channel(rank)
+    window = ReceiveWindow(channel, len(acts), 8, needs)
+    window.exchange([], after=-1)
+    # every remote receive went out before the first action ran; no hand-over did
+    assert channel.posted == [(2, 3, 0), (2, 3, 1), (2, 3, 2)]
+    for i, (_, stage, mb) in enumerate(acts):
+        got, _ = window.wait(i)
+        assert [(p.request.stage, p.request.mb) for p in got] == [(stage, mb)]
+        if i + 1 < len(acts) and acts[i + 1][0] == "local":
+            channel.produced.add(acts[i + 1][1:])  # this action's output, handed over
+        window.exchange([], after=i)
+    assert channel.posted[3:] == [(rank, 4, 0), (rank, 4, 1)]
+    assert window.outstanding() == window.current  # nothing posted is left unconsumed

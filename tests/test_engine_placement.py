@@ -110,10 +110,11 @@ def test_v_placement_matches_unpipelined(world2, case):
 
 def test_v_turn_is_received_in_process_and_not_ahead(world2):
     """Rank 1 turns the V (stage 1 -> 2 on itself): with lookahead 8 the receives of its first
-    forwards go out before the first action, and the scan stops at the first in-process
-    receive, whose message does not exist yet. F(mb) of chunk 0 hands its output over in the
-    exchange after it, and a step's sends go out before its receives are scanned: that same
-    exchange's scan finds it and posts F(mb) of chunk 1 (never before it exists)."""
+    forwards go out before the first action. The scan passes over the in-process receives
+    (chunk 1's activations, chunk 0's gradients), whose messages do not exist yet: each is taken
+    when its action runs, never before it exists. It stops at a backward whose forward has not
+    run (no shape yet): the remote gradients of chunk 1 go out with that forward's exchange.
+    (Before, the scan stopped at the first hand-over: [-1, -1, -1, 0, 1, 2, 3, 4, 5, 6, 7, 8].)"""
     r = world2[1]["mlp-L8"]
     # F0c0 F1c0 F2c0 | F0c1 F1c1 F2c1 | B0c1 B1c1 B2c1 | B0c0 B1c0 B2c0
-    assert r["posted_after"][:6] == [-1, -1, -1, 0, 1, 2]
+    assert r["posted_after"] == [-1, -1, -1, 2, 3, 4, 3, 4, 5, 8, 9, 10]

@@ -51,8 +51,9 @@ class ReceiveWindow:
     together with the receives of actions ``i+1 .. i+lookahead`` not posted yet. The next
     action's receives always go out; later ones while ``needs`` can state them and the channel
     allows (:meth:`P2PCommunicator.may_post_ahead`), stopping at the first that cannot (a
-    channel's receives must be posted in order). :meth:`wait` then hands over what an action
-    received.
+    channel's receives must be posted in order). An action that receives only an in-process
+    hand-over not produced yet (the turn of a V) is passed over, not stopped at: it takes the
+    hand-over when it runs. :meth:`wait` then hands over what an action received.
 
     Example (one rank's step)::
 
@@ -80,6 +81,9 @@ class ReceiveWindow:
         self.posted_after: dict[int, int] = {}  # action index -> index it was posted after
         self._upto = -1  # the last action whose receives were posted
         self._taken: set[int] = set()  # ordered posting: actions whose receives were posted
+        # actions skipped by the scan ahead because all they receive is an in-process hand-over
+        # not produced yet (the turn of a V): taken from the local queue when they run
+        self._local_later: set[int] = set()
         self.current: list[PendingRecv] = []  # the receives taken by the last wait()
 
     def exchange(self, sends: Sequence[Message], *, after: int) -> PendingSend:
@@ -95,11 +99,21 @@ class ReceiveWindow:
         reqs: list[RecvRequest] = []
         counts: list[tuple[int, int]] = []
         j, last = self._upto + 1, min(after + self.lookahead, self.count - 1)
+        rank = self.comm.topology.rank
         while j <= last:
             ahead = j > after + 1
             needs = self._needs(j, ahead)
-            if needs is None or (ahead and not all(map(self.comm.may_post_ahead, needs))):
+            if needs is None:
                 break
+            if ahead and not all(map(self.comm.may_post_ahead, needs)):
+                # An in-process hand-over goes on no wire, so the scan may pass it and post the
+                # receives behind it (stopping here left the V's turn rank posting one or two
+                # actions ahead: every remote receive after a turn waited for the turn to run).
+                if not all(r.peer == rank for r in needs):
+                    break
+                self._local_later.add(j)
+                j += 1
+                continue
             reqs += needs
             counts.append((j, len(needs)))
             j += 1
@@ -156,6 +170,13 @@ class ReceiveWindow:
     def wait(self, index: int) -> tuple[list[PendingRecv], float]:
         """Block until every receive of action ``index`` has arrived; returns them (``tensors``
         holds the data) and the seconds spent blocked."""
+        if index in self._local_later:
+            self._local_later.discard(index)
+            needs = self._needs(index, False)
+            assert needs is not None  # the next action's receives can always be stated
+            self._posted[index] = self.comm.exchange([], needs)[1]
+            if needs:
+                self.posted_after[index] = index - 1
         pending = self.current = self._posted.pop(index)
         for p in pending:
             self.comm.receive(p)
