@@ -13,7 +13,7 @@ file, the order is pytest's own (a file's tests stay together: its module fixtur
 
 from __future__ import annotations
 
-import importlib
+import logging
 import sys
 from pathlib import Path
 
@@ -39,14 +39,6 @@ def pytest_configure(config: pytest.Config) -> None:
     # benchmarks' world_context (which preloads only torch) does not leave every later Trainer
     # world's ranks importing Lightning themselves.
     distributed._context()
-    # Lightning, torchmetrics and transformers each give their logger a StreamHandler bound to
-    # the sys.stderr of the moment they are first imported. First imported inside a test that
-    # uses capsys, that stream is closed when the test ends, and every later log line of the
-    # session (a Trainer's "GPU available") prints "--- Logging error ---" and a traceback into
-    # whatever test runs then (`pytest tests/test_preflight.py` alone failed that way; the whole
-    # suite imported Lightning while collecting). Imported now, they bind pytest's session-wide
-    # capture.
-    importlib.import_module("lightning")
 
 
 def _group(item: pytest.Item) -> int:
@@ -66,7 +58,24 @@ def pytest_collection_modifyitems(session: pytest.Session, config, items: list) 
     items.sort(key=lambda item: (group_of_file[item.path], order[id(item)]))
 
 
+def _rebind_closed_log_streams() -> None:
+    """Lightning, torchmetrics and transformers each give their logger a StreamHandler bound to
+    the sys.stderr of the moment they are first imported. First imported inside a test that uses
+    capsys, that stream is closed when the test ends, and every later log line of the session (a
+    Trainer's "GPU available") printed "--- Logging error ---" and a traceback into whatever test
+    ran then (`pytest tests/test_preflight.py` alone failed that way; the whole suite imported
+    Lightning while collecting, under pytest's session-wide capture). Such a handler writes to
+    the current sys.stderr instead. (Importing Lightning up front would cost every run of one
+    pure file 6 s.)"""
+    loggers = [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]
+    for logger in loggers:
+        for handler in getattr(logger, "handlers", ()):  # a PlaceHolder has none
+            if type(handler) is logging.StreamHandler and getattr(handler.stream, "closed", False):
+                handler.stream = sys.stderr  # setStream would flush the closed one first
+
+
 def pytest_runtest_setup(item: pytest.Item) -> None:
+    _rebind_closed_log_streams()
     if item.get_closest_marker("timing") is not None:
         background.drain()
 

@@ -453,3 +453,24 @@ def _tp_script(tmp_path) -> str:
 @pytest.mark.timeout(background.WAIT)
 def test_tp_script():
     print(background.check("test_tp_script"))
+
+
+def test_suite_cpu_reads_the_machines_busy_time_and_ranks_the_files(tmp_path):
+    """benchmarks/suite_cpu.py: busy time from /proc/stat's first line (idle and iowait left
+    out, guest time not counted twice), a run measured, the table costliest first."""
+    from benchmarks import suite_cpu
+
+    stat = tmp_path / "stat"
+    hz = os.sysconf("SC_CLK_TCK")
+    # user nice system idle iowait irq softirq steal guest guest_nice
+    stat.write_text(f"cpu  {3 * hz} {hz} {2 * hz} {50 * hz} {4 * hz} 0 {hz} 0 {7 * hz} 0\n")
+    assert suite_cpu.busy_seconds(str(stat)) == 7.0
+    stat.write_text("cpu0 1 2 3 4\n")
+    with pytest.raises(ValueError, match="not the machine's total"):
+        suite_cpu.busy_seconds(str(stat))
+    run = suite_cpu.measure("noop", [sys.executable, "-c", "pass"])
+    assert run.rc == 0 and run.wall_s > 0 and run.cpu_s >= 0
+    rows = [suite_cpu.FileCost("a", 0, 2.0, 1.0), suite_cpu.FileCost("b", 1, 3.0, 3.0)]
+    lines = suite_cpu.table(rows).splitlines()
+    assert lines[2] == "| b | 3 | 75.0 % | 3 | 1 |" and lines[3] == "| a | 1 | 25.0 % | 2 | 0 |"
+    assert lines[-1] == "| **total** (2 runs) | 4 | | 5 | |"
