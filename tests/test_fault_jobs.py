@@ -36,6 +36,8 @@ import background
 import pytest
 from jobs import descendants, free_port, kill_job, start_job
 
+from lightning_pp.runtime.local_process import is_gone
+
 SCRIPTS = Path(__file__).parent / "scripts"
 WATCHDOG = 5.0
 START_TIMEOUT = 400.0  # a loaded 2-core machine needs minutes to import torch in 3-4 processes
@@ -50,14 +52,6 @@ def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
         "FAULT_DIR": str(tmp_path),
         **extra,
     }
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"  # a zombie has ended; only its parent's bookkeeping is left
 
 
 class Job:
@@ -110,7 +104,7 @@ class Job:
         ranks = leaders = None
         while time.monotonic() - t0 < within and (ranks is None or leaders is None):
             now = time.monotonic() - t0
-            if ranks is None and not any(_alive(pid) for pid in pids):
+            if ranks is None and all(map(is_gone, pids)):
                 ranks = now
             if leaders is None and all(p.poll() is not None for p in self.procs):
                 leaders = now
@@ -157,7 +151,7 @@ def _middle_rank_case(job: Job, launcher: str, sig: signal.Signals, world: int, 
     ranks, leaders = job.wait_gone(list(pids.values()), within=WATCHDOG + 10)
     out = job.output()
     if ranks is None or leaders is None:
-        left = [r for r, pid in pids.items() if _alive(pid)]
+        left = [r for r, pid in pids.items() if not is_gone(pid)]
         pytest.fail(
             f"{launcher}: ranks {left} (of pids {pids}) or a launcher (gone after {leaders}s) "
             f"still ran {WATCHDOG + 10:g}s after {sig.name} of rank {victim}:\n{out[-6000:]}"
@@ -345,7 +339,7 @@ def _rank0_case(job: Job, launcher: str, signame: str, when: str, world: int) ->
         (job.tmp / "go").write_text("")
         deadline = time.monotonic() + START_TIMEOUT
         while not (job.tmp / "fault.0").exists():
-            if time.monotonic() > deadline or not _alive(pids[1]):
+            if time.monotonic() > deadline or is_gone(pids[1]):
                 pytest.fail(f"rank 0 never reached the save's fault:\n{job.output()[-6000:]}")
             time.sleep(0.05)
     else:
@@ -353,7 +347,7 @@ def _rank0_case(job: Job, launcher: str, signame: str, when: str, world: int) ->
     t0 = time.monotonic()
     left: dict[int, str] = dict(everything)
     while left and time.monotonic() - t0 < WATCHDOG + 10:
-        left = {pid: cmd for pid, cmd in left.items() if _alive(pid)}
+        left = {pid: cmd for pid, cmd in left.items() if not is_gone(pid)}
         time.sleep(0.05)
     gone = time.monotonic() - t0
     out = job.output()

@@ -4,23 +4,15 @@ from __future__ import annotations
 
 import sys
 import time
-from pathlib import Path
 
 from jobs import kill_group, run_job, wait_group_gone
 
-
-def _running(pid: int) -> bool:
-    """Alive and not a zombie waiting for its (new) parent to reap it."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+from lightning_pp.runtime.local_process import is_gone
 
 
 def _gone_within(pid: int, seconds: float) -> bool:
     deadline = time.monotonic() + seconds
-    while _running(pid):
+    while not is_gone(pid):
         if time.monotonic() >= deadline:
             return False
         time.sleep(0.05)
@@ -66,7 +58,7 @@ def test_leftovers_killed_by_default_and_kept_on_request():
     r = run_job(cmd, timeout=60, kill_leftovers=False)
     assert r.returncode == 0
     child = int(r.output.split("child=")[1].split()[0])
-    assert _running(child)
+    assert not is_gone(child)
     assert not wait_group_gone(r.pgid, within=0.5)  # it really waits on a live group
     kill_group(r.pgid)
     assert wait_group_gone(r.pgid, within=5)

@@ -10,6 +10,8 @@ import pytest
 from distributed import DistributedFailure
 from worlds import World, world
 
+from lightning_pp.runtime.local_process import is_gone
+
 pytestmark = pytest.mark.quick
 
 
@@ -76,15 +78,6 @@ if __name__ == "__main__":
 """
 
 
-def _running(pid: int) -> bool:
-    """Alive and not a zombie (a dead child nobody reaped yet counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
 def test_a_killed_session_leaves_no_world_behind(tmp_path):
     """A test session killed outright (SIGKILL: no clean-up runs) takes its world along: the
@@ -107,13 +100,13 @@ def test_a_killed_session_leaves_no_world_behind(tmp_path):
         assert ready, "the session did not build its world within 120 s"
         started = json.loads(proc.stdout.readline())
         pids = [*started["ranks"], started["server"]]
-        assert all(_running(p) for p in pids), started
+        assert not any(map(is_gone, pids)), started
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
         deadline = time.monotonic() + 30
-        while any(map(_running, pids)) and time.monotonic() < deadline:
+        while not all(map(is_gone, pids)) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert not [p for p in pids if _running(p)], f"left running: {started}"
+        assert not [p for p in pids if not is_gone(p)], f"left running: {started}"
     finally:
         for pid in [proc.pid, *pids]:
             try:
