@@ -175,8 +175,7 @@ class ReceiveWindow:
             needs = self._needs(index, False)
             assert needs is not None  # the next action's receives can always be stated
             self._posted[index] = self.comm.exchange([], needs)[1]
-            if needs:
-                self.posted_after[index] = index - 1
+            self.posted_after[index] = index - 1
         pending = self.current = self._posted.pop(index)
         for p in pending:
             self.comm.receive(p)
