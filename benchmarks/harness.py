@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_pp.planner.verify import free_port, wait_for_world, world_context
+from lightning_pp.runtime.owned_process import die_with_owner, owner_link
 
 # --------------------------------------------------------------------------------------------
 # Machine description (goes into every results file)
@@ -116,7 +117,8 @@ def init_process_group(rank: int, world_size: int, port: int, device: str) -> to
     return dev
 
 
-def _worker_entry(fn, rank, world_size, port, device, args, queue) -> None:
+def _worker_entry(fn, rank, world_size, port, device, args, queue, owner) -> None:
+    die_with_owner(owner)  # a killed benchmark takes its ranks along
     os.environ["OMP_NUM_THREADS"] = "1"
     try:
         dev = init_process_group(rank, world_size, port, device)
@@ -150,17 +152,22 @@ def launch(
     ctx = world_context()
     queue = ctx.Queue()
     port = free_port()
+    for_ranks, owner = owner_link(ctx)
     procs = [
         ctx.Process(
             target=_worker_entry,
-            args=(fn, rank, world_size, port, device, args, queue),
+            args=(fn, rank, world_size, port, device, args, queue, for_ranks),
             daemon=True,
         )
         for rank in range(world_size)
     ]
-    for p in procs:
-        p.start()
-    return wait_for_world(procs, queue, timeout=timeout, poll=5.0)
+    try:
+        for p in procs:
+            p.start()
+        for_ranks.close()  # the ranks hold their copies; this process keeps only ``owner``
+        return wait_for_world(procs, queue, timeout=timeout, poll=5.0)
+    finally:
+        owner.close()
 
 
 # --------------------------------------------------------------------------------------------

@@ -31,12 +31,13 @@ import os
 import queue as queue_mod
 import signal
 import tempfile
-import threading
 import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
+
+from lightning_pp.runtime.owned_process import die_with_owner, owner_link
 
 __all__ = ["DistributedFailure", "run_distributed"]
 
@@ -64,39 +65,6 @@ class DistributedFailure(AssertionError):
         self.killed = killed or []
 
 
-def owner_link(ctx: Any) -> tuple[Any, Any]:
-    """``(for the ranks, for the test session)``: a pipe whose session end the caller keeps open
-    while its ranks may live (:func:`own_session` in each rank). Nothing is ever sent on it."""
-    return ctx.Pipe(duplex=False)
-
-
-def own_session(link: Any) -> None:
-    """In a rank, first thing: lead a process group of its own (``setsid``), so that the parent
-    can kill the rank with whatever it started; and kill that group once the test session's end
-    of ``link`` (:func:`owner_link`) closes, whatever ended the session (a SIGKILL included: the
-    kernel closes the pipe).
-
-    Why the second half: a rank in a session of its own is not taken along by a test session
-    killed outright. A shared world's rank then waits for cases forever, and keeps the forkserver
-    (which holds torch and Lightning) alive with it: three idle processes and a server per
-    world, orphaned until someone kills them by hand."""
-    try:
-        os.setsid()
-    except OSError:
-        pass
-
-    def watch() -> None:
-        try:
-            link.recv()  # returns only at EOF (raises): the session never writes
-        except (EOFError, OSError):
-            pass
-        if os.getpgid(0) == os.getpid():  # this rank leads its group (setsid above)
-            os.killpg(os.getpid(), signal.SIGKILL)
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    threading.Thread(target=watch, name="lpp-tests-die-with-owner", daemon=True).start()
-
-
 def _worker(
     fn: Callable[..., Any],
     rank: int,
@@ -109,7 +77,7 @@ def _worker(
     dump_after: float,
     owner: Any,
 ) -> None:
-    own_session(owner)
+    die_with_owner(owner)  # its own process group, gone with the test session
     # A hung rank prints every thread's stack to stderr shortly before the parent kills it.
     faulthandler.dump_traceback_later(max(1.0, dump_after), exit=False)
     os.environ.setdefault("OMP_NUM_THREADS", "1")

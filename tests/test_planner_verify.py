@@ -338,3 +338,62 @@ def test_bench_planner_quick(tmp_path):
     cal = rows[-1]["meta"]["calibration"]
     assert cal["step_s"] == min(cal["round_steps_s"]) and len(cal["round_steps_s"]) == 2
     assert (tmp_path / "planner.png").stat().st_size > 0  # predicted vs measured
+
+
+_PLANNER_SESSION = """
+import os, sys, time
+from pathlib import Path
+from lightning_pp.planner.verify import run_world
+
+
+def sleeper(rank, world, where):
+    Path(where, f"rank{{rank}}").write_text(str(os.getpid()))
+    time.sleep(600)
+
+
+if __name__ == "__main__":
+    run_world(sleeper, 2, {where!r}, timeout=600)
+"""
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc")
+def test_a_killed_planner_takes_its_measuring_world_along(tmp_path):
+    """``lightning-pp plan --verify`` killed outright (SIGKILL: no clean-up of its own runs)
+    while its ranks compute: they lead process groups of their own (so the planner can kill
+    each with what it started), and before, they kept computing, or waited in a collective
+    until the group's timeout. Now each kills its group once the planner's end of the owner
+    pipe closes."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from lightning_pp.runtime.local_process import is_gone
+
+    script = tmp_path / "planner_session.py"
+    script.write_text(_PLANNER_SESSION.format(where=str(tmp_path)))
+    proc = subprocess.Popen([sys.executable, str(script)], start_new_session=True)
+    pids: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        files = [tmp_path / "rank0", tmp_path / "rank1"]
+        while not all(f.exists() and f.read_text() for f in files):
+            assert proc.poll() is None, f"the planner session ended early ({proc.returncode})"
+            assert time.monotonic() < deadline, "the world did not start within 120 s"
+            time.sleep(0.2)
+        pids = [int(f.read_text()) for f in files]
+        assert not any(map(is_gone, pids)), pids
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while not all(map(is_gone, pids)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [p for p in pids if not is_gone(p)], f"ranks left running: {pids}"
+    finally:
+        for pid in [proc.pid, *pids]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        proc.wait(timeout=30)

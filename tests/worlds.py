@@ -49,7 +49,9 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from distributed import DistributedFailure, _context, _kill, own_session, owner_link
+from distributed import DistributedFailure, _context, _kill
+
+from lightning_pp.runtime.owned_process import die_with_owner, owner_link
 
 __all__ = ["World", "close_all", "world"]
 
@@ -70,8 +72,9 @@ def _serve(
     """One rank: set up once, then run cases until told to stop. Its output (Lightning's
     banners, the strategy's start log, warnings) goes to the file ``log``: a passing test
     prints nothing, a failing one shows the tail of every rank's log. ``owner``: the ranks' end
-    of the session's :func:`~distributed.owner_link` (the rank dies with the session)."""
-    own_session(owner)  # its own process group, tied to the session's life
+    of the session's :func:`~lightning_pp.runtime.owned_process.owner_link` (the rank dies with
+    the session)."""
+    die_with_owner(owner)  # its own process group, tied to the session's life
     out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(out, 1)
     os.dup2(out, 2)

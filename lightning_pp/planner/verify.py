@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..runtime.owned_process import die_with_owner, owner_link
 from ..runtime.records import StepRecord
 from ..schedules import Op
 
@@ -97,11 +98,12 @@ def _child(
     payload: Any,
     results: Any,
     threads: int,
+    owner: Any,
 ) -> None:
-    try:  # its own process group, so the parent can kill it and anything it started at once
-        os.setsid()
-    except OSError:
-        pass
+    # Its own process group, so the parent can kill it and anything it started at once; and
+    # gone with the parent, however that one ends (a killed `lightning-pp plan` left its ranks
+    # computing or blocked in a collective until the group's timeout).
+    die_with_owner(owner)
     os.environ["OMP_NUM_THREADS"] = str(threads)
     torch.set_num_threads(threads)
     try:
@@ -164,7 +166,8 @@ def run_world(
 ) -> list[Any]:
     """Run ``fn(rank, world, payload)`` on ``world`` processes (forked from
     :func:`world_context`'s server) joined in a gloo group; return the results by rank. ``fn``
-    must be importable (module level).
+    must be importable (module level). The ranks end with this process, however it ends
+    (:mod:`~lightning_pp.runtime.owned_process`).
 
     Raises:
         WorldFailure: a rank raised (its traceback), died (its exit code), or ``timeout``
@@ -173,15 +176,22 @@ def run_world(
     ctx = world_context()
     results = ctx.Queue()
     port = free_port()
+    for_ranks, owner = owner_link(ctx)
     procs = [
         ctx.Process(
-            target=_child, args=(fn, r, world, port, payload, results, threads), daemon=True
+            target=_child,
+            args=(fn, r, world, port, payload, results, threads, for_ranks),
+            daemon=True,
         )
         for r in range(world)
     ]
-    for p in procs:
-        p.start()
-    return wait_for_world(procs, results, timeout=timeout, poll=1.0)
+    try:
+        for p in procs:
+            p.start()
+        for_ranks.close()  # the ranks hold their copies; this process keeps only ``owner``
+        return wait_for_world(procs, results, timeout=timeout, poll=1.0)
+    finally:
+        owner.close()
 
 
 def wait_for_world(procs: Sequence[Any], results: Any, *, timeout: float, poll: float) -> list[Any]:
