@@ -383,6 +383,11 @@ class P2PCommunicator:
         Returns the pending sends (wait or poll before reusing their buffers; they keep them
         alive) and one :class:`PendingRecv` per request, in order. Nothing here blocks.
         """
+        if not sends and not recvs:
+            # About 40 % of a step's calls post nothing (a W's sends, a window already posted
+            # ahead): no batch to set up. zb-auto-2p, p=4, m=8 on the virtual device: 0.2-0.4
+            # ms less CPU per rank and step (one A/B run in one process group).
+            return PendingSend([], []), []
         me = self.topology.rank
         batch = _OpBatch(self.group)
         sent = PendingSend([], [], self.monitor, [m.peer for m in sends if m.peer != me])
