@@ -398,6 +398,54 @@ def test_zero_saves_each_ranks_rows_where_they_belong(ckpt_runs):
     assert len(split) > len(moments) // 2  # every moment of a parameter of 2 rows or more
 
 
+def _moment_sizes(checkpoint: str) -> dict[str, tuple[int, ...]]:
+    """Global shape of every optimizer-state tensor of a checkpoint, by DCP key."""
+    from lightning_pp.checkpoint.dcp_safe import read_dcp_metadata
+
+    meta = read_dcp_metadata(Path(checkpoint) / ".metadata")
+    return {
+        k: tuple(v.size)
+        for k, v in meta.state_dict_metadata.items()
+        if k.startswith("optimizer_0.state.") and hasattr(v, "size")
+    }
+
+
+@pytest.mark.parametrize(
+    "name,saved",
+    [
+        ("z1_resume", "z1_5"),
+        ("z1_to_zbv_z2", "z1_5"),
+        ("z1_to_f", "z1_5"),
+        ("f_resume", "f_5"),
+        ("f_to_z1", "f_5"),
+    ],
+)
+def test_a_sharded_resume_reads_only_the_replicas_part_of_each_moment(ckpt_runs, name, saved):
+    """A zero or fsdp rank asks DCP for its own rows of each moment (torch.chunk's rows for its
+    data-parallel coordinate, read into a DTensor laid out as it keeps them), never the whole:
+    counted by the reader every load goes through. Before, each replica read every moment whole
+    and kept ``1/dp`` of it, so resuming needed the stage's whole optimizer state per rank. The
+    plain Trainer's resume, which keeps everything, reads each whole (the counter's check)."""
+    sizes = _moment_sizes(_phases(ckpt_runs)[saved])
+    split = {k: s for k, s in sizes.items() if len(s) >= 1 and s[0] >= 2}
+    assert split
+
+    def read_moments(d: dict) -> dict[str, int]:
+        return {k: n for k, n in d["read_elements"].items() if k in split}
+
+    for d in _ck(ckpt_runs, "w", name, 4):
+        got = read_moments(d)
+        assert got, f"rank {d['rank']} read no moment"
+        for key, n in got.items():
+            rows, numel = split[key][0], math.prod(split[key])
+            first = math.ceil(rows / 2)
+            mine = {first * (numel // rows), (rows - first) * (numel // rows)}
+            assert n in mine, (name, d["rank"], key, n, split[key])
+    plain = _ck(ckpt_runs, "p", "z1_to_plain" if saved == "z1_5" else "f_to_plain", 1)[0]
+    whole = read_moments(plain)
+    assert whole == {k: math.prod(s) for k, s in split.items()}
+
+
 def _ck(out: Path, group: str, name: str, size: int) -> list[dict]:
     return [json.loads((out / group / f"{name}.rank{r}.json").read_text()) for r in range(size)]
 

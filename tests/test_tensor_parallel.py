@@ -217,6 +217,34 @@ def test_a_tensor_parallel_checkpoint_resumes_at_any_shape(ckpt_runs, name, grou
         assert d["global_step"] == 10
 
 
+@pytest.mark.parametrize("name", ["tp_resume", "dp_to_tp2"])
+def test_a_tensor_parallel_resume_reads_only_each_ranks_shard_of_the_moments(ckpt_runs, name):
+    """At tp2 each rank asks DCP for its own shard of every tensor-parallel parameter and moment
+    (read into a DTensor laid out as the parameter), whether the checkpoint was written at tp2
+    or whole at pp2 x dp2: half of it, counted by the reader every load goes through. The plain
+    Trainer's resume reads each whole (the counter's check). The tensor-parallel tensors are
+    those the tp2 save wrote as two chunks."""
+    import math
+
+    from lightning_pp.checkpoint.dcp_safe import read_dcp_metadata
+
+    meta = read_dcp_metadata(ckpt_runs / "tp_ckpt" / "step=5.ckpt" / ".metadata")
+    cut = {
+        k: math.prod(v.size)
+        for k, v in meta.state_dict_metadata.items()
+        if len(getattr(v, "chunks", ())) == 2  # parameters and moments
+    }
+    assert any(k.startswith("optimizer_0.state.") for k in cut)
+    assert any(k.startswith("state_dict.") for k in cut)
+    assert cut
+    for d in _ck(ckpt_runs, "w", name, 4):
+        got = {k: n for k, n in d["read_elements"].items() if k in cut}
+        assert got, f"rank {d['rank']} read no tensor-parallel tensor"
+        assert all(2 * n == cut[k] for k, n in got.items()), (name, d["rank"], got)
+    plain = _ck(ckpt_runs, "p", "tp_to_plain", 1)[0]
+    assert {k: n for k, n in plain["read_elements"].items() if k in cut} == cut
+
+
 # ---------------------------------------------------------------------------- the rules
 @pytest.mark.quick
 def test_the_world_must_be_pp_times_dp_times_tp():

@@ -44,7 +44,7 @@ from .by_name import (
     param_names,
     positional_optimizer_state,
 )
-from .dcp_meta import empty_from_spec, read_dcp_checkpoint_meta
+from .dcp_meta import empty_from_spec, read_dcp_checkpoint_meta, spec_dtype
 from .dcp_safe import safe_dcp_load
 from .errors import CheckpointError
 
@@ -115,8 +115,14 @@ def _optimizer_request(
     names: Mapping[int, tuple[str, bool]],
     meta: Mapping[str, Any],
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """Fresh CPU tensors for each optimizer's state of this rank's parameters, and per optimizer
+    """Fresh tensors for each optimizer's state of this rank's parameters, and per optimizer
     the by-name form :func:`~.by_name.positional_optimizer_state` reads (holding those tensors).
+
+    An optimizer that holds only part of a parameter's state (a ``zero`` replica's rows, an FSDP2
+    or tensor-parallel shard) says so through ``state_request(param, key, shape, dtype)``: the
+    tensor to read that saved state into, a ``DTensor`` whose local part is what the rank
+    keeps, so that DCP reads only that part (``None``: the whole tensor, on the CPU). Without
+    it, every replica of a stage read each moment whole and then kept its ``1/dp``.
 
     Each optimizer's grouping is checked here, before anything is read."""
     saved = meta.get("optimizers")
@@ -125,6 +131,7 @@ def _optimizer_request(
     request: dict[str, Any] = {}
     merged: list[dict[str, Any]] = []
     for i, optimizer in enumerate(optimizers):
+        state_request = getattr(optimizer, "state_request", None)
         theirs = saved[i] if i < len(saved) else {"tensors": {}, "values": {}, "group_of": {}}
         groups = theirs.get("param_groups", [])
         by_name: dict[str, Any] = {"state": {}, "group_of": {}}
@@ -137,7 +144,9 @@ def _optimizer_request(
                 if name in theirs["tensors"] and name not in tensors:
                     specs = theirs["tensors"][name]
                     _check_state_sizes(specs, p, name, i)
-                    tensors[name] = {k: empty_from_spec(s) for k, s in specs.items()}
+                    tensors[name] = {
+                        k: _requested(state_request, p, k, s) for k, s in specs.items()
+                    }
                     by_name["state"][name] = {**theirs["values"].get(name, {}), **tensors[name]}
         # groups and missing names checked now (no state: nothing is copied)
         positional_optimizer_state(
@@ -146,6 +155,16 @@ def _optimizer_request(
         request[f"optimizer_{i}"] = {"state": tensors}
         merged.append(by_name)
     return request, merged
+
+
+def _requested(state_request: Any, param: Tensor, key: str, spec: Any) -> Tensor:
+    """What DCP reads the saved state ``key`` of ``param`` into: the optimizer's own request
+    (part of the tensor), or the whole tensor."""
+    if state_request is not None:
+        part = state_request(param, key, tuple(int(n) for n in spec[1]), spec_dtype(spec))
+        if part is not None:
+            return part
+    return empty_from_spec(spec)
 
 
 def load_dcp_checkpoint(

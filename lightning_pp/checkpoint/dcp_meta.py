@@ -61,14 +61,19 @@ def tensor_spec(t: Tensor) -> list[Any]:
     return [str(t.dtype).removeprefix("torch."), list(t.shape)]
 
 
-def empty_from_spec(spec: Sequence[Any], device: Any = "cpu") -> Tensor:
-    """An uninitialised tensor of a :func:`tensor_spec` (``["float32", [4, 8]]``), for DCP to
-    read into; a dtype that is not one of torch's is refused."""
+def spec_dtype(spec: Sequence[Any]) -> torch.dtype:
+    """The dtype of a :func:`tensor_spec`; a name that is not one of torch's dtypes is refused."""
     name = spec[0]
     dtype = getattr(torch, name, None) if isinstance(name, str) and name.isidentifier() else None
     if not isinstance(dtype, torch.dtype):
         raise CheckpointError(f"unknown dtype {name!r} in the checkpoint's metadata")
-    return torch.empty([int(n) for n in spec[1]], dtype=dtype, device=device)
+    return dtype
+
+
+def empty_from_spec(spec: Sequence[Any], device: Any = "cpu") -> Tensor:
+    """An uninitialised tensor of a :func:`tensor_spec` (``["float32", [4, 8]]``), for DCP to
+    read into; a dtype that is not one of torch's is refused."""
+    return torch.empty([int(n) for n in spec[1]], dtype=spec_dtype(spec), device=device)
 
 
 def _is_spec(value: Any) -> bool:

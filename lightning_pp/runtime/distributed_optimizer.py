@@ -353,6 +353,19 @@ class ShardedGradSync(DeferredGradSync):
         return {id(self.main[i]) for i in tied.non_owner_params() if i in self.main}
 
 
+def _rows_kept(member: ShardMember, value: Any) -> Any:
+    """This replica's rows of a loaded state value: the local part of the ``DTensor`` a loader
+    read them into (:meth:`UnshardedOptimizerView.state_request`), or cut from a whole tensor
+    of the parameter's shape; anything else (a step count) as it is."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        return value.to_local().reshape(member.local_shape)
+    if isinstance(value, Tensor) and value.shape == member.param.shape:
+        return member.local_piece(value).clone()
+    return value
+
+
 def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
     stride, out = 1, []
     for n in reversed(shape):
@@ -432,6 +445,20 @@ class UnshardedOptimizerView:
             index += n
         return {"state": state, "param_groups": groups}
 
+    def state_request(
+        self, param: Tensor, key: str, shape: tuple[int, ...], dtype: torch.dtype
+    ) -> Tensor | None:
+        """What a checkpoint loader reads ``param``'s saved state ``key`` into: with a mesh, a
+        moment (the parameter's shape) as the ``DTensor`` of this replica's rows (the form it
+        was saved in), so only those rows are read from the files; ``None`` for anything else
+        (read whole: a step count, a parameter not sharded here, no mesh)."""
+        member = self.sync._members.get(id(param))
+        if self.sync.mesh is None or member is None or param.dim() == 0:
+            return None
+        if tuple(shape) != tuple(param.shape):
+            return None
+        return self.sync.as_dtensor(id(param), None)
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         sync, positions = self.sync, self._positions()
         inner = self.optimizer
@@ -452,12 +479,7 @@ class UnshardedOptimizerView:
                 state[mine[id(p)]] = entry
                 continue
             member = sync._members[id(p)]
-            state[mine[id(main)]] = {
-                k: member.local_piece(v).clone()
-                if isinstance(v, Tensor) and v.shape == p.shape
-                else v
-                for k, v in entry.items()
-            }
+            state[mine[id(main)]] = {k: _rows_kept(member, v) for k, v in entry.items()}
         groups = []
         for g, saved in zip(inner.param_groups, state_dict["param_groups"]):
             hyper = {k: v for k, v in saved.items() if k != "params"}

@@ -118,6 +118,29 @@ class DTensorOptimizer:
     def state_dict(self) -> dict[str, Any]:
         return self.optimizer.state_dict()
 
+    def state_request(
+        self, param: Tensor, key: str, shape: tuple[int, ...], dtype: torch.dtype
+    ) -> Tensor | None:
+        """What a checkpoint loader reads ``param``'s saved state ``key`` into: for a moment
+        of a sharded ``DTensor`` parameter (its shape), an empty ``DTensor`` laid out as the
+        parameter, so that DCP reads only this rank's shard from the files; ``None`` for
+        anything else (read whole, then laid out by :func:`like`)."""
+        from torch.distributed.tensor import DTensor
+
+        if not isinstance(param, DTensor) or tuple(shape) != tuple(param.shape):
+            return None
+        if not any(pl.is_shard() for pl in param.placements):
+            return None
+        local = param.to_local()
+        return DTensor.from_local(
+            torch.empty(local.shape, dtype=dtype, device=local.device),
+            param.device_mesh,
+            param.placements,
+            run_check=False,
+            shape=param.shape,
+            stride=param.stride(),
+        )
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         state = {

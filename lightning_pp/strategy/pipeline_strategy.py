@@ -703,7 +703,7 @@ class PipelineStrategy(ProcessGroupStrategy):
         sync = self.grad_sync
         if isinstance(sync, ShardedGradSync):
             return [sync.unsharded_view(o) for o in optimizers]
-        if isinstance(sync, FsdpGradSync) or self.tp > 1:  # DTensor moments: loaded whole, cut
+        if isinstance(sync, FsdpGradSync) or self.tp > 1:  # DTensor moments: read as shards
             return [DTensorOptimizer(o) for o in optimizers]
         return list(optimizers)
 

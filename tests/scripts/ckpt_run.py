@@ -72,6 +72,33 @@ def _inject_failure(rank: int, fail_rank: int, fail_save: int) -> None:
     dcp.FileSystemWriter.write_data = write_data
 
 
+class ReadCounter:
+    """Elements each checkpoint tensor had read from the files by this rank's loads (DCP's read
+    items of the reader every DCP load goes through), by DCP key: what a sharded load asks
+    for, measured where the reading happens."""
+
+    def __init__(self) -> None:
+        from lightning_pp.checkpoint.dcp_safe import SafeFileSystemReader
+
+        self.elements: dict[str, int] = {}
+        self._cls, self._read = SafeFileSystemReader, SafeFileSystemReader.read_data
+        counter = self
+
+        def read_data(reader: Any, plan: Any, planner: Any) -> Any:
+            for item in plan.items:
+                key = item.storage_index.fqn
+                n = 1
+                for size in item.lengths:
+                    n *= int(size)
+                counter.elements[key] = counter.elements.get(key, 0) + n
+            return counter._read(reader, plan, planner)
+
+        SafeFileSystemReader.read_data = read_data  # type: ignore[method-assign]
+
+    def close(self) -> None:
+        self._cls.read_data = self._read  # type: ignore[method-assign]
+
+
 def _pipeline_io() -> Any:
     from lightning_pp import PipelineCheckpointIO
 
@@ -134,7 +161,12 @@ def run_phase(spec: dict, out: str, devices: int) -> dict:
     if "fail_save" in spec:
         _inject_failure(trainer.global_rank, spec["fail_rank"], spec["fail_save"])
     model = make_model(spec.get("model", "gpt"))
-    trainer.fit(model, EpochData(dp), ckpt_path=spec.get("resume"))
+    reads = ReadCounter() if spec.get("resume") else None
+    try:
+        trainer.fit(model, EpochData(dp), ckpt_path=spec.get("resume"))
+    finally:
+        if reads is not None:
+            reads.close()
     result = {
         "rank": trainer.global_rank,
         "train_loss": rec.train_loss,
@@ -143,6 +175,7 @@ def run_phase(spec: dict, out: str, devices: int) -> dict:
         "global_step": trainer.global_step,
         "best": best.best_model_path if best else None,
         "best_k": sorted(best.best_k_models) if best else None,
+        "read_elements": reads.elements if reads is not None else None,
     }
     dump(os.path.join(out, f"{spec['name']}.rank{trainer.global_rank}.json"), result)
     if not plain:
