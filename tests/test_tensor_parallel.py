@@ -245,6 +245,41 @@ def test_a_tensor_parallel_resume_reads_only_each_ranks_shard_of_the_moments(ckp
     assert {k: n for k, n in plain["read_elements"].items() if k in cut} == cut
 
 
+def _tied_cuts(rank: int, size: int, dims: tuple[int, int]) -> list:
+    """Ranks 0-1 (pipeline rank 0) hold the embedding cut as ``Shard(dims[0])`` over their tp
+    pair, ranks 2-3 the head as ``Shard(dims[1])``; a second tied weight is held whole by ranks
+    0 and 2 only. Returns the error each rank raised (or ``None``)."""
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from lightning_pp.runtime.grad_sync import check_tied_cuts
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    w = torch.arange(64.0).reshape(8, 8)  # square: both cuts have 32 local elements
+    weight = nn.Parameter(distribute_tensor(w, mesh["tp"], [Shard(dims[rank // 2])]))
+    bias = torch.zeros(3) if rank in (0, 2) else None
+    try:
+        check_tied_cuts([(("embed.weight", "head.weight"), weight), (("a", "b"), bias)])
+    except ValueError as e:
+        return [str(e)]
+    return [None]
+
+
+@pytest.mark.quick
+def test_tied_copies_cut_differently_are_refused_on_every_rank():
+    """A plan that cuts a tied embedding by rows and its head by columns: the local parts have
+    the same size (the tied-gradient all-reduce would add unrelated elements without a word),
+    so every rank refuses it at set-up, naming both cuts. Copies cut alike pass."""
+    refused = world("gloo", 4).run(_tied_cuts, (0, 1), timeout=60)
+    for (text,) in refused:
+        assert text is not None and "embed.weight / head.weight" in text, refused
+        assert "rank 0: Shard(0) over 2 ranks of (8, 8), local (4, 8)" in text
+        assert "rank 2: Shard(1) over 2 ranks of (8, 8), local (8, 4)" in text
+        assert "a / b" not in text  # held whole by its two holders: alike
+    assert world("gloo", 4).run(_tied_cuts, (0, 0), timeout=60) == [[None]] * 4
+
+
 # ---------------------------------------------------------------------------- the rules
 @pytest.mark.quick
 def test_the_world_must_be_pp_times_dp_times_tp():

@@ -212,8 +212,8 @@ class TiedParameterSync:
         with torch.no_grad():
             for g in self.groups:
                 # A tensor-parallel copy is a DTensor: the owner's shard goes to the copy's
-                # shard, which assumes every copy is cut the same way (DecoderLM: both
-                # Shard(0)). Nothing checks that yet: copies cut differently abort in gloo.
+                # shard, so every copy must be cut the same way (DecoderLM: both Shard(0));
+                # tied_parameter_sync refused copies cut differently (check_tied_cuts).
                 local = local_part(g.param.data)
                 work = dist.broadcast(local, src=g.owner_rank, group=g.group, async_op=True)
                 monitored_wait(
@@ -242,6 +242,79 @@ class TiedParameterSync:
         return {id(g.param) for g in self.groups if not g.is_owner}
 
 
+_CUT_DIMS = 8  # dims of a weight's shape a cut descriptor holds
+_CUT_PLACEMENTS = 4  # mesh dims of a DTensor's placements it holds
+
+
+def _cut_of(t: Tensor | None) -> list[int]:
+    """A fixed-length description of how ``t`` is cut on this rank: held, the global shape,
+    the local shape, then per mesh dim its size and placement (``Shard(d)``: ``d``,
+    ``Replicate``: -1, other: -2). All zeros when this rank holds no copy."""
+    words = [0] * (1 + 2 * _CUT_DIMS + 1 + 2 * _CUT_PLACEMENTS)
+    if t is None:
+        return words
+    local = local_part(t)
+    if t.dim() > _CUT_DIMS:
+        raise ValueError(f"a tied weight of {t.dim()} dims (at most {_CUT_DIMS} are compared)")
+    words[0] = 1
+    words[1 : 1 + t.dim()] = list(t.shape)
+    words[1 + _CUT_DIMS : 1 + _CUT_DIMS + local.dim()] = list(local.shape)
+    if isinstance(t, DTensor):
+        placements = list(t.placements)[:_CUT_PLACEMENTS]
+        words[1 + 2 * _CUT_DIMS] = len(placements)
+        base = 2 + 2 * _CUT_DIMS
+        for i, pl in enumerate(placements):
+            code = pl.dim if pl.is_shard() else (-1 if pl.is_replicate() else -2)  # type: ignore[attr-defined]
+            words[base + 2 * i : base + 2 * i + 2] = [t.device_mesh.size(i), code]
+    return words
+
+
+def _describe_cut(words: Sequence[int]) -> str:
+    """``Shard(1) over 2 ranks of (32, 16), local (32, 8)`` from :func:`_cut_of`'s words."""
+    shape = tuple(w for w in words[1 : 1 + _CUT_DIMS] if w) or ()
+    local = tuple(words[1 + _CUT_DIMS : 1 + 2 * _CUT_DIMS][: len(shape)])
+    n = words[1 + 2 * _CUT_DIMS]
+    base = 2 + 2 * _CUT_DIMS
+    parts = []
+    for i in range(n):
+        size, code = words[base + 2 * i], words[base + 2 * i + 1]
+        name = f"Shard({code})" if code >= 0 else ("Replicate()" if code == -1 else "other")
+        parts.append(f"{name} over {size} ranks")
+    how = ", ".join(parts) if parts else "whole"
+    return f"{how} of {shape}, local {local}"
+
+
+def check_tied_cuts(tied: Sequence[tuple[Sequence[str], Tensor | None]], group: Any = None) -> None:
+    """Collective over ``group`` (every rank, the same tied weights in the same order): refuse
+    tied copies cut differently (a tensor-parallel plan that shards the embedding by rows and
+    the head by columns). Their gradients are summed element by element over the copies'
+    local parts, so copies cut differently would add unrelated elements, silently, or abort
+    inside gloo when the local sizes differ. ``tied``: per tied weight its names and this
+    rank's copy (``None``: it holds none). Every rank raises the same :class:`ValueError`,
+    naming the weight and each holder's cut, before any gradient is exchanged."""
+    if not tied or not dist.is_initialized():
+        return
+    mine = torch.tensor([_cut_of(t) for _, t in tied], dtype=torch.int64)
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    work = dist.all_gather(everyone, mine, group=group, async_op=True)
+    monitored_wait(
+        [work], "in the check of how tied weights are cut", _ranks(group), min_timeout=120.0
+    )
+    ranks = _ranks(group) or list(range(len(everyone)))
+    problems = []
+    for i, (names, _) in enumerate(tied):
+        held = {r: tuple(t[i].tolist()) for r, t in zip(ranks, everyone) if int(t[i][0])}
+        if len(set(held.values())) > 1:
+            cuts = "; ".join(f"rank {r}: {_describe_cut(w)}" for r, w in sorted(held.items()))
+            problems.append(f"{' / '.join(names)} ({cuts})")
+    if problems:
+        raise ValueError(
+            f"tied weights are cut differently on the ranks holding them: {problems}. Their "
+            f"gradients are summed element by element, so every copy must be cut the same "
+            f"way: give the tied modules the same tensor-parallel style (or untie them)"
+        )
+
+
 def tied_parameter_sync(
     layers: Any, placement: Any, topology: Any, groups: Any
 ) -> TiedParameterSync:
@@ -256,6 +329,10 @@ def tied_parameter_sync(
     """
     from ..layout.placement import layer_of
 
+    def local_copy(names: Sequence[str]) -> Tensor | None:
+        return next((layers.get_parameter(n) for n in names if layer_of(n) in layers), None)
+
+    check_tied_cuts([(tuple(names), local_copy(names)) for names in layers.tied])
     tied: list[TiedGroup] = []
     for names in layers.tied:
         pp_ranks, owner = placement.tied_ranks(layer_of(n) for n in names)
