@@ -355,6 +355,66 @@ def _small_batch(rank: int, size: int) -> str:
     return "TRAINED"
 
 
+def _timeouts_of_two_fits(rank: int, size: int) -> list[list[float]]:
+    """Two Trainers one after the other in this process, with different ``timeout=``: after
+    each fit, the gloo timeout (seconds) of the default group and of the mesh's pp, dp and tp
+    groups (the dp and tp ones of one rank each here, made by ``DeviceMesh``)."""
+    from datetime import timedelta
+
+    import lightning as L
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_pp import PipelineLayers, PipelineMixin, PipelineStrategy
+
+    class Net(PipelineMixin, L.LightningModule):
+        def configure_model(self):
+            if getattr(self, "layers", None) is None:
+                self.layers = PipelineLayers([lambda: torch.nn.Linear(4, 4) for _ in range(2)])
+
+        def pipeline_input(self, batch):
+            return batch[0]
+
+        def pipeline_loss(self, output, batch):
+            return F.mse_loss(output, batch[1])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    data = TensorDataset(torch.randn(8, 4), torch.randn(8, 4))
+    seen = []
+    for seconds in (77, 91):
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=size,
+            max_steps=1,
+            logger=False,
+            strategy=PipelineStrategy(pp=2, microbatches=2, timeout=timedelta(seconds=seconds)),
+            use_distributed_sampler=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=False,
+        )
+        trainer.fit(Net(), DataLoader(data, batch_size=4))
+        g = trainer.strategy.layout.groups
+        groups = [dist.group.WORLD, g.pp_group, g.dp_group, g.tp_group]
+        seen.append(
+            [x._get_backend(torch.device("cpu")).options._timeout.total_seconds() for x in groups]
+        )
+    return seen
+
+
+def test_a_later_trainers_timeout_reaches_the_existing_process_group():
+    """Lightning leaves a process group that exists (made by an earlier Trainer of the same
+    process) as it is, the mesh's groups are built once per process and ``DeviceMesh`` takes no
+    timeout: a ``PipelineStrategy(timeout=)`` reached none of the dp and tp groups, and a later
+    Trainer's none at all. The strategy now sets it on every group it uses. Read back from each
+    group's gloo backend."""
+    seen = world("trainer", 2).run(_timeouts_of_two_fits, timeout=120)
+    assert seen == [[[77.0] * 4, [91.0] * 4]] * 2
+
+
 def test_batch_smaller_than_microbatches_fails_on_every_rank_without_hanging():
     """Both ranks raise the preflight error themselves, before communicating: none is left
     waiting for the other. (A world of its own: the failure marks its store.)"""

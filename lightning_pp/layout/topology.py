@@ -197,6 +197,15 @@ class ProcessGroups:
     tp_group: Any = None
     _extra: dict[tuple[tuple[int, ...], ...], Any] = field(default_factory=dict, repr=False)
 
+    def own_groups(self) -> list[Any]:
+        """Every group here that this rank belongs to (each once): pp, dp, tp and those of
+        :meth:`new_groups`."""
+        found: dict[int, Any] = {}
+        for g in (self.pp_group, self.dp_group, self.tp_group, *self._extra.values()):
+            if g is not None:
+                found.setdefault(id(g), g)
+        return list(found.values())
+
     def new_groups(self, rank_lists: list[list[int]]) -> Any:
         """Create one group per rank list (on EVERY rank, same order) and return this rank's.
 
@@ -245,6 +254,25 @@ def once_per_default_group(key: tuple[object, ...], make: Callable[[], T]) -> T:
     if key not in _BUILT:
         _BUILT[key] = (world, make())
     return _BUILT[key][1]
+
+
+def set_group_timeout(timeout: timedelta, group: Any = None) -> bool:
+    """Give an existing process group (``None``: the default one) a new collective timeout
+    (torch private: ``torch.distributed.distributed_c10d._set_pg_timeout``, torch 2.x);
+    ``False`` where this torch has no such function.
+
+    Why: a group made once and reused (the default group of an earlier ``Trainer`` in the same
+    process, which Lightning leaves as it is; the mesh's groups, built once per process and
+    shape; ``DeviceMesh`` takes no timeout at all) kept the timeout it was made with, and a
+    later ``PipelineStrategy(timeout=)`` was silently ignored.
+    """
+    import torch.distributed as dist
+
+    setter = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+    if setter is None:
+        return False
+    setter(timeout, group)
+    return True
 
 
 def build_process_groups(
@@ -296,4 +324,7 @@ def build_process_groups(
     key = ("mesh", topo.world_size, topo.rank, topo.pp, topo.dp, topo.tp, device_type)
     groups = once_per_default_group(key, build)
     groups.timeout = timeout  # for the groups made from now on (new_groups)
+    if timeout is not None:  # and for those made before, by DeviceMesh or an earlier run
+        for group in groups.own_groups():
+            set_group_timeout(timeout, group)
     return groups

@@ -33,12 +33,13 @@ from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.utilities.exceptions import SIGTERMException
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from typing_extensions import override
 
 from .. import _lightning_compat as compat
+from ..layout.topology import set_group_timeout
 from ..runtime.failure import (
     DEFAULT_WATCHDOG_TIMEOUT,
     FailureMonitor,
@@ -187,6 +188,15 @@ class ProcessGroupStrategy(ParallelStrategy):
             store = self._job_store()
             if store is not None:
                 kwargs["store"] = store
+        elif self._timeout is not None:
+            # An earlier Trainer of this process made the group, and Lightning leaves an
+            # existing group as it is: this strategy's timeout would be silently ignored.
+            if not set_group_timeout(self._timeout):
+                rank_zero_warn(
+                    f"the process group exists already (an earlier Trainer of this process); "
+                    f"this torch cannot change its timeout, so timeout={self._timeout} is not "
+                    f"applied"
+                )
         compat.init_dist_connection(self.cluster_environment, backend, **kwargs)
         default = compat.default_store()
         if store is not None and self._store_host is not None and default is not None:
