@@ -37,8 +37,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_pp.planner.verify import free_port, wait_for_world, world_context
-from lightning_pp.runtime.owned_process import die_with_owner, owner_link
+from lightning_pp.planner.verify import free_port, start_world
+from lightning_pp.runtime.owned_process import die_with_owner
 
 # --------------------------------------------------------------------------------------------
 # Machine description (goes into every results file)
@@ -149,25 +149,14 @@ def launch(
     seconds pass, every still-running worker is killed and a ``RuntimeError``
     (:class:`~lightning_pp.planner.verify.WorldFailure`) names the rank.
     """
-    ctx = world_context()
-    queue = ctx.Queue()
     port = free_port()
-    for_ranks, owner = owner_link(ctx)
-    procs = [
-        ctx.Process(
-            target=_worker_entry,
-            args=(fn, rank, world_size, port, device, args, queue, for_ranks),
-            daemon=True,
-        )
-        for rank in range(world_size)
-    ]
-    try:
-        for p in procs:
-            p.start()
-        for_ranks.close()  # the ranks hold their copies; this process keeps only ``owner``
-        return wait_for_world(procs, queue, timeout=timeout, poll=5.0)
-    finally:
-        owner.close()
+    return start_world(
+        _worker_entry,
+        lambda rank, queue: (fn, rank, world_size, port, device, args, queue),
+        world_size,
+        timeout=timeout,
+        poll=5.0,
+    )
 
 
 # --------------------------------------------------------------------------------------------

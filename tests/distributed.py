@@ -65,6 +65,29 @@ class DistributedFailure(AssertionError):
         self.killed = killed or []
 
 
+def kill_and_expect_gone(proc: Any, pids: list[int], within: float = 30.0) -> list[int]:
+    """SIGKILL ``proc`` (a ``subprocess.Popen`` that started the processes ``pids``), then wait
+    up to ``within`` seconds for every one of ``pids`` to end; return those still running. The
+    caller asserts on the result and kills what is left (:func:`kill_all`)."""
+    from lightning_pp.runtime.local_process import is_gone
+
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=within)
+    deadline = time.monotonic() + within
+    while not all(map(is_gone, pids)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return [p for p in pids if not is_gone(p)]
+
+
+def kill_all(pids: list[int]) -> None:
+    """SIGKILL every one of ``pids`` still there (a test's clean-up, whatever it found)."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+
 def _worker(
     fn: Callable[..., Any],
     rank: int,

@@ -364,10 +364,10 @@ def test_a_killed_planner_takes_its_measuring_world_along(tmp_path):
     each with what it started), and before, they kept computing, or waited in a collective
     until the group's timeout. Now each kills its group once the planner's end of the owner
     pipe closes."""
-    import os
-    import signal
     import subprocess
     import time
+
+    from distributed import kill_all, kill_and_expect_gone
 
     from lightning_pp.runtime.local_process import is_gone
 
@@ -384,16 +384,7 @@ def test_a_killed_planner_takes_its_measuring_world_along(tmp_path):
             time.sleep(0.2)
         pids = [int(f.read_text()) for f in files]
         assert not any(map(is_gone, pids)), pids
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=30)
-        deadline = time.monotonic() + 30
-        while not all(map(is_gone, pids)) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not [p for p in pids if not is_gone(p)], f"ranks left running: {pids}"
+        assert not kill_and_expect_gone(proc, pids), f"ranks left running: {pids}"
     finally:
-        for pid in [proc.pid, *pids]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
+        kill_all([proc.pid, *pids])
         proc.wait(timeout=30)

@@ -314,13 +314,14 @@ def test_layer_split_check_is_preflight_and_shows_the_split():
     assert strategy.stage_build.select(layout, None, SimpleNamespace(num_layers=4)) == [0, 2]
 
 
-def _small_batch(rank: int, size: int) -> str:
-    """A batch of 2 samples for microbatches=4: what each rank ends with."""
+def _two_linear_fit(strategy, batch_size: int) -> None:
+    """One step of a two-``Linear`` pipeline model (8 samples of 4 features) under the real
+    Trainer on ``strategy``, in a rank of a 2-process Trainer world."""
     import lightning as L
     import torch.nn.functional as F
     from torch.utils.data import DataLoader, TensorDataset
 
-    from lightning_pp import PipelineLayers, PipelineMixin, PipelineStrategy
+    from lightning_pp import PipelineLayers, PipelineMixin
 
     class Net(PipelineMixin, L.LightningModule):
         def configure_model(self):
@@ -342,14 +343,21 @@ def _small_batch(rank: int, size: int) -> str:
         devices=2,
         max_steps=1,
         logger=False,
-        strategy=PipelineStrategy(pp=2, microbatches=4, watchdog_timeout=30.0),
+        strategy=strategy,
         use_distributed_sampler=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         enable_checkpointing=False,
     )
+    trainer.fit(Net(), DataLoader(data, batch_size=batch_size))
+
+
+def _small_batch(rank: int, size: int) -> str:
+    """A batch of 2 samples for microbatches=4: what each rank ends with."""
+    from lightning_pp import PipelineStrategy
+
     try:
-        trainer.fit(Net(), DataLoader(data, batch_size=2))
+        _two_linear_fit(PipelineStrategy(pp=2, microbatches=4, watchdog_timeout=30.0), 2)
     except Exception as e:
         return f"ENDED WITH {type(e).__name__}: {e}"
     return "TRAINED"
@@ -361,43 +369,15 @@ def _timeouts_of_two_fits(rank: int, size: int) -> list[list[float]]:
     groups (the dp and tp ones of one rank each here, made by ``DeviceMesh``)."""
     from datetime import timedelta
 
-    import lightning as L
     import torch.distributed as dist
-    import torch.nn.functional as F
-    from torch.utils.data import DataLoader, TensorDataset
 
-    from lightning_pp import PipelineLayers, PipelineMixin, PipelineStrategy
+    from lightning_pp import PipelineStrategy
 
-    class Net(PipelineMixin, L.LightningModule):
-        def configure_model(self):
-            if getattr(self, "layers", None) is None:
-                self.layers = PipelineLayers([lambda: torch.nn.Linear(4, 4) for _ in range(2)])
-
-        def pipeline_input(self, batch):
-            return batch[0]
-
-        def pipeline_loss(self, output, batch):
-            return F.mse_loss(output, batch[1])
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
-
-    data = TensorDataset(torch.randn(8, 4), torch.randn(8, 4))
     seen = []
     for seconds in (77, 91):
-        trainer = L.Trainer(
-            accelerator="cpu",
-            devices=size,
-            max_steps=1,
-            logger=False,
-            strategy=PipelineStrategy(pp=2, microbatches=2, timeout=timedelta(seconds=seconds)),
-            use_distributed_sampler=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            enable_checkpointing=False,
-        )
-        trainer.fit(Net(), DataLoader(data, batch_size=4))
-        g = trainer.strategy.layout.groups
+        strategy = PipelineStrategy(pp=2, microbatches=2, timeout=timedelta(seconds=seconds))
+        _two_linear_fit(strategy, 4)
+        g = strategy.layout.groups
         groups = [dist.group.WORLD, g.pp_group, g.dp_group, g.tp_group]
         seen.append(
             [x._get_backend(torch.device("cpu")).options._timeout.total_seconds() for x in groups]

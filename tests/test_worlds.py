@@ -7,7 +7,7 @@ import os
 import time
 
 import pytest
-from distributed import DistributedFailure
+from distributed import DistributedFailure, kill_all, kill_and_expect_gone
 from worlds import World, world
 
 from lightning_pp.runtime.local_process import is_gone
@@ -85,7 +85,6 @@ def test_a_killed_session_leaves_no_world_behind(tmp_path):
     owner pipe closes, and the forkserver then exits too. Before, both stayed for good."""
     import json
     import select
-    import signal
     import subprocess
     import sys
 
@@ -101,16 +100,7 @@ def test_a_killed_session_leaves_no_world_behind(tmp_path):
         started = json.loads(proc.stdout.readline())
         pids = [*started["ranks"], started["server"]]
         assert not any(map(is_gone, pids)), started
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=30)
-        deadline = time.monotonic() + 30
-        while not all(map(is_gone, pids)) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not [p for p in pids if not is_gone(p)], f"left running: {started}"
+        assert not kill_and_expect_gone(proc, pids), f"left running: {started}"
     finally:
-        for pid in [proc.pid, *pids]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
+        kill_all([proc.pid, *pids])
         proc.wait(timeout=30)

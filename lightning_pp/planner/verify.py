@@ -173,23 +173,41 @@ def run_world(
         WorldFailure: a rank raised (its traceback), died (its exit code), or ``timeout``
             seconds passed (which ranks had finished). Every process is killed first.
     """
+    port = free_port()
+    return start_world(
+        _child,
+        lambda r, results: (fn, r, world, port, payload, results, threads),
+        world,
+        timeout=timeout,
+        poll=1.0,
+    )
+
+
+def start_world(
+    target: Callable[..., None],
+    args_of: Callable[[int, Any], tuple[Any, ...]],
+    world: int,
+    *,
+    timeout: float,
+    poll: float,
+) -> list[Any]:
+    """Start ``world`` processes from :func:`world_context`'s server, each running
+    ``target(*args_of(rank, results), owner)`` (``results``: the queue it reports to;
+    ``owner``: its end of this process's :func:`~lightning_pp.runtime.owned_process.owner_link`,
+    for :func:`~lightning_pp.runtime.owned_process.die_with_owner`), and wait for them
+    (:func:`wait_for_world`). Used by :func:`run_world` and by ``benchmarks/harness.launch``."""
     ctx = world_context()
     results = ctx.Queue()
-    port = free_port()
     for_ranks, owner = owner_link(ctx)
     procs = [
-        ctx.Process(
-            target=_child,
-            args=(fn, r, world, port, payload, results, threads, for_ranks),
-            daemon=True,
-        )
+        ctx.Process(target=target, args=(*args_of(r, results), for_ranks), daemon=True)
         for r in range(world)
     ]
     try:
         for p in procs:
             p.start()
         for_ranks.close()  # the ranks hold their copies; this process keeps only ``owner``
-        return wait_for_world(procs, results, timeout=timeout, poll=1.0)
+        return wait_for_world(procs, results, timeout=timeout, poll=poll)
     finally:
         owner.close()
 
@@ -199,7 +217,7 @@ def wait_for_world(procs: Sequence[Any], results: Any, *, timeout: float, poll: 
     ``results`` until every rank reported; return the values by rank. Every ``poll`` seconds
     without a message, a rank that exited without reporting ends the wait. Whatever happens,
     every process still running afterwards is killed with its process tree. Used by
-    :func:`run_world` and by ``benchmarks/harness.launch``.
+    :func:`start_world`.
 
     Raises:
         WorldFailure: a rank raised (its traceback), died (its exit code), or ``timeout``
