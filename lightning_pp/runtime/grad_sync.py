@@ -294,7 +294,10 @@ def check_tied_cuts(tied: Sequence[tuple[Sequence[str], Tensor | None]], group: 
     naming the weight and each holder's cut, before any gradient is exchanged."""
     if not tied or not dist.is_initialized():
         return
-    mine = torch.tensor([_cut_of(t) for _, t in tied], dtype=torch.int64)
+    # NCCL gathers device tensors only (a rank holding no copy has no device of its own)
+    on_gpu = dist.get_backend(group) == "nccl" and torch.cuda.is_available()
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    mine = torch.tensor([_cut_of(t) for _, t in tied], dtype=torch.int64, device=device)
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     work = dist.all_gather(everyone, mine, group=group, async_op=True)
     monitored_wait(
@@ -303,7 +306,7 @@ def check_tied_cuts(tied: Sequence[tuple[Sequence[str], Tensor | None]], group: 
     ranks = _ranks(group) or list(range(len(everyone)))
     problems = []
     for i, (names, _) in enumerate(tied):
-        held = {r: tuple(t[i].tolist()) for r, t in zip(ranks, everyone) if int(t[i][0])}
+        held = {r: tuple(t[i].tolist()) for r, t in zip(ranks, everyone) if t[i][0].item()}
         if len(set(held.values())) > 1:
             cuts = "; ".join(f"rank {r}: {_describe_cut(w)}" for r, w in sorted(held.items()))
             problems.append(f"{' / '.join(names)} ({cuts})")
