@@ -16,6 +16,7 @@ Usage::
 
     python -m benchmarks.zb_auto_grid            # the markdown table (docs/schedules.md)
     python -m benchmarks.zb_auto_grid --timing   # also the build times at p=16/m=128, p=32/m=256
+    python -m benchmarks.zb_auto_grid --memory 2p  # at twice 1F1B's peak: interleaved fits too
 
 Nothing here is timed against a threshold; tests/test_zb_auto.py asserts the grid's claims.
 """
@@ -31,8 +32,10 @@ from lightning_pp.schedules import (
     Costs,
     Op,
     Schedule,
+    interleaved,
     memory_limits,
     one_f_one_b,
+    peak_inflight,
     simulate,
     zb_h1,
     zbv,
@@ -51,8 +54,11 @@ HEAVY = 1.5
 MEMORY = "1p"
 
 
-def costs_for(ratio: tuple[float, float, float], pp: int, vpp: int, heavy: bool) -> Costs:
-    """The simulator's costs of one grid case for a layout with ``vpp`` chunks per rank.
+def costs_for(
+    ratio: tuple[float, float, float], pp: int, vpp: int, heavy: bool, placement: str = ""
+) -> Costs:
+    """The simulator's costs of one grid case for a layout with ``vpp`` chunks per rank
+    (``placement``: ``"v"`` or ``"loop"``; default V for ``vpp = 2``, loop otherwise).
 
     ``t_f, t_i, t_w`` are one rank's whole share (each chunk costs ``t / vpp``); a heavy last
     stage adds ``(HEAVY - 1) * t`` (half a one-chunk stage) to the last virtual stage.
@@ -60,12 +66,15 @@ def costs_for(ratio: tuple[float, float, float], pp: int, vpp: int, heavy: bool)
     Example:
         >>> costs_for((1, 1.5, 0.5), 2, 1, True).overrides
         {(1, 0): (1.5, 3.0, 2.25, 0.75)}
+        >>> list(costs_for((1, 1.5, 0.5), 2, 2, True, "loop").overrides)
+        [(1, 1)]
     """
     t_f, t_i, t_w = ratio
     overrides = {}
     if heavy:
-        # the last virtual stage: rank p-1 (loop, vpp=1) or rank 0's chunk 1 (V)
-        rank, chunk = (pp - 1, 0) if vpp == 1 else (0, 1)
+        # the last virtual stage: rank p-1's last chunk (loop), or rank 0's chunk 1 (V)
+        v = (placement or ("v" if vpp == 2 else "loop")) == "v"
+        rank, chunk = (0, 1) if v else (pp - 1, vpp - 1)
         k = HEAVY - 1
         f, i, w = (t_f / vpp + k * t_f, t_i / vpp + k * t_i, t_w / vpp + k * t_w)
         overrides[(rank, chunk)] = (f, i + w, i, w)
@@ -189,24 +198,35 @@ class Case:
         return self.heavy or len(set(self.ratio)) > 1
 
 
-def run_case(pp: int, m: int, ratio: tuple[float, float, float], heavy: bool) -> Case:
-    """Simulate the handcrafted schedules and build zb-auto for one case."""
+def run_case(
+    pp: int, m: int, ratio: tuple[float, float, float], heavy: bool, memory: str = MEMORY
+) -> Case:
+    """Simulate the handcrafted schedules that fit ``memory`` and build zb-auto at ``memory``
+    for one case. At ``"2p"`` the interleaved 1F1B fits too (two chunks per rank, loop
+    placement) and so does zb-auto in that layout; it is compared as a third layout."""
     c1, c2 = costs_for(ratio, pp, 1, heavy), costs_for(ratio, pp, 2, heavy)
     hand = {
         "1f1b": simulate(one_f_one_b(pp, m), c1).makespan,
         "zb-h1": simulate(zb_h1(pp, m), c1).makespan,
         "zbv": simulate(zbv(pp, m), c2).makespan,
     }
-    auto_loop = simulate(zb_auto(pp, m, vpp=1, costs=c1), c1).makespan
-    auto_v = simulate(zb_auto(pp, m, vpp=2, costs=c2), c2).makespan
-    bound = min(lower_bound(c1, pp, m, 1, MEMORY), lower_bound(c2, pp, m, 2, MEMORY))
+    auto_loop = simulate(zb_auto(pp, m, vpp=1, costs=c1, memory=memory), c1).makespan
+    auto_v = simulate(zb_auto(pp, m, vpp=2, costs=c2, memory=memory), c2).makespan
+    if memory != MEMORY:
+        loop2 = costs_for(ratio, pp, 2, heavy, "loop")
+        inter = interleaved(pp, m, vpp=2)
+        if all(a <= b for a, b in zip(peak_inflight(inter), memory_limits(memory, pp, 2))):
+            hand["interleaved"] = simulate(inter, loop2).makespan
+            auto = zb_auto(pp, m, vpp=2, costs=loop2, memory=memory, placement="loop")
+            auto_loop = min(auto_loop, simulate(auto, loop2).makespan)
+    bound = min(lower_bound(c1, pp, m, 1, memory), lower_bound(c2, pp, m, 2, memory))
     return Case(pp, m, ratio, heavy, hand, auto_loop, auto_v, bound)
 
 
-def grid() -> list[Case]:
-    """Every case of the acceptance grid."""
+def grid(memory: str = MEMORY) -> list[Case]:
+    """Every case of the acceptance grid, at ``memory`` (1F1B's peak by default)."""
     return [
-        run_case(p, m, ratio, heavy)
+        run_case(p, m, ratio, heavy, memory)
         for heavy in (False, True)
         for ratio in RATIOS
         for p in PPS
@@ -216,17 +236,20 @@ def grid() -> list[Case]:
 
 def table(cases: list[Case]) -> str:
     """The markdown table of docs/schedules.md, then a summary line."""
+    names = list(dict.fromkeys(k for c in cases for k in c.hand))
     lines = [
-        "| t_f:t_i:t_w | last stage | p | m | 1f1b | zb-h1 | zbv | zb-auto loop | zb-auto V "
-        "| zb-auto / best handcrafted | lower bound / best handcrafted |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| t_f:t_i:t_w | last stage | p | m | "
+        + " | ".join(names)
+        + " | zb-auto loop | zb-auto V | zb-auto / best handcrafted "
+        "| lower bound / best handcrafted |",
+        "|---|---|---|---|" + "---|" * (len(names) + 4),
     ]
     for c in cases:
         ratio = ":".join(f"{x:g}" for x in c.ratio)
         name, _ = c.best_hand
+        hand = " | ".join(f"{c.hand[k]:.2f}" if k in c.hand else "-" for k in names)
         lines.append(
-            f"| {ratio} | {'x1.5' if c.heavy else 'equal'} | {c.pp} | {c.m} "
-            f"| {c.hand['1f1b']:.2f} | {c.hand['zb-h1']:.2f} | {c.hand['zbv']:.2f} "
+            f"| {ratio} | {'x1.5' if c.heavy else 'equal'} | {c.pp} | {c.m} | {hand} "
             f"| {c.auto_loop:.2f} | {c.auto_v:.2f} | {c.ratio_to_best:.3f} (vs {name}) "
             f"| {c.bound / c.best_hand[1]:.3f} |"
         )
@@ -262,8 +285,14 @@ def build_times() -> list[tuple[int, int, float, float]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--timing", action="store_true", help="also time large builds")
+    parser.add_argument(
+        "--memory",
+        default=MEMORY,
+        choices=["1p", "2p"],
+        help="the memory limit of every schedule compared (2p: the interleaved 1F1B fits too)",
+    )
     args = parser.parse_args()
-    print(table(grid()))
+    print(table(grid(args.memory)))
     if args.timing:
         for p, m, wall, cpu in build_times():
             print(f"build zb-auto p={p} m={m} (V): {wall:.2f} s wall, {cpu:.2f} s CPU")
