@@ -6,13 +6,17 @@ the names a pipeline rank looks up, and each optimizer's state by position
 rank as it was (as :mod:`.dcp_load` does for the DCP format):
 
 1. every rank reads the file with torch's restricted unpickler (no code runs; the user's
-   explicit ``Trainer.fit(..., weights_only=False)`` is the one way to unpickle anything);
+   explicit ``Trainer.fit(..., weights_only=False)`` is the one way to unpickle anything),
+   mapped, not read: a rank pages in only the tensors it takes, and a node's ranks share those
+   pages (each read the whole file into its own memory before: a node of 8 ranks held 8 copies);
 2. the ranks exchange their param groups, so that every rank can tell which saved position is
    which name, whatever subset of the model it holds;
 3. each rank picks its tensors and builds its optimizers' positional states; errors (a missing
    name, another shape, a group matching no saved group) are agreed, and with ``strict`` every
    saved tensor must be claimed by some rank;
-4. only then are the module's tensors and the optimizers' states replaced.
+4. only then are the module's tensors and the optimizers' states replaced; everything kept
+   (optimizer states, Lightning's loop and callback states) is copied out of the mapped file
+   first, since Lightning may rewrite that very file in place (``last.ckpt``).
 
 Example::
 
@@ -23,6 +27,7 @@ Example::
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -43,7 +48,7 @@ ProcessGroup = Any  # torch.distributed.ProcessGroup, or None for the default gr
 
 
 def _read(path: str | os.PathLike, trusted: bool) -> dict[str, Any]:
-    ckpt = load_metadata(path, weights_only=not trusted)
+    ckpt = load_metadata(path, weights_only=not trusted, mmap=True)
     if not isinstance(ckpt, dict) or not isinstance(ckpt.get("state_dict"), dict):
         raise CheckpointError(f"{path}: not a Lightning checkpoint (no 'state_dict' dict)")
     return ckpt
@@ -124,9 +129,31 @@ def load_plain_checkpoint(
         # a tied member saved under its own key is claimed through its canonical name
         claimed |= {k for k in ckpt["state_dict"] if canonical.get(k, k) in claimed}
         check_all_claimed(ckpt["state_dict"], claimed, f"plain checkpoint {str(path)!r}")
-    # every rank's checks passed: now change the module and the optimizers
+    # every rank's checks passed: now change the module (which copies) and the optimizers
     module.load_state_dict(module_state_like(module, picked), strict=strict)
     for optimizer, state in zip(optimizers or (), states):
-        optimizer.load_state_dict(state)
-    lightning = {k: v for k, v in ckpt.items() if k not in ("state_dict", "optimizer_states")}
+        optimizer.load_state_dict(_owned(state))  # an optimizer keeps the tensors it is given
+    lightning = _owned(
+        {k: v for k, v in ckpt.items() if k not in ("state_dict", "optimizer_states")}
+    )
     return lightning if optimizers is None else fit_scheduler_states(lightning, scheduler_configs)
+
+
+def _owned(value: Any) -> Any:
+    """``value`` with every tensor in its dicts, lists and tuples copied out of the mapped file
+    (containers keep their type: an ``OrderedDict``, a ``defaultdict``, a named tuple)."""
+    if isinstance(value, Tensor):
+        return value.clone()
+    if isinstance(value, dict):
+        out = copy.copy(value)
+        for k, v in value.items():
+            out[k] = _owned(v)
+        return out
+    if isinstance(value, list):
+        items = copy.copy(value)
+        items[:] = [_owned(v) for v in value]
+        return items
+    if isinstance(value, tuple):
+        parts = [_owned(v) for v in value]
+        return type(value)(*parts) if hasattr(value, "_fields") else type(value)(parts)
+    return value

@@ -195,6 +195,18 @@ def _check_index(index_path: Path, index: dict[str, Any]) -> None:
         )
 
 
+def _load(path: Path, *, weights_only: bool, mmap: bool) -> Any:
+    """Lightning's loader (local paths and fsspec URLs), or, with ``mmap`` and a local file in
+    torch's zip format, ``torch.load(mmap=True)``."""
+    if mmap and "://" not in str(path) and path.is_file():
+        try:
+            return torch.load(path, map_location="cpu", weights_only=weights_only, mmap=True)
+        except RuntimeError as exc:
+            if "mmap" not in str(exc):  # only the legacy format is read the plain way below
+                raise
+    return load_file(str(path), map_location="cpu", weights_only=weights_only)
+
+
 def _load_file(path: Path) -> Any:
     """A tensor file of the checkpoint (weights_only: tensors, numbers, strings, containers)."""
     try:
@@ -348,8 +360,11 @@ def _meta_safe_globals() -> list[Any]:
 META_SAFE_GLOBALS: list[Any] = _meta_safe_globals()
 
 
-def load_metadata(path: str | os.PathLike, *, weights_only: bool | None = None) -> dict[str, Any]:
-    """Load a checkpoint's ``meta.pt`` (Lightning's loops, callbacks, schedulers, hparams).
+def load_metadata(
+    path: str | os.PathLike, *, weights_only: bool | None = None, mmap: bool = False
+) -> dict[str, Any]:
+    """Load a checkpoint's ``meta.pt`` (Lightning's loops, callbacks, schedulers, hparams), or a
+    whole plain Lightning checkpoint file.
 
     By default (``weights_only`` None or True) with torch's restricted unpickler, allowing only
     tensors, containers and :data:`META_SAFE_GLOBALS` (plus what the user registered with
@@ -357,14 +372,20 @@ def load_metadata(path: str | os.PathLike, *, weights_only: bool | None = None) 
     ``os.system``, is refused with a :class:`CheckpointError` naming the file and the global.
     ``weights_only=False`` unpickles anything, which runs whatever code the file names: only for
     files you trust (``Trainer.fit(..., weights_only=False)`` passes it through).
+
+    ``mmap``: map a local file's tensors instead of reading them (``torch.load(mmap=True)``):
+    a tensor's pages are read when it is used, into the page cache a node's ranks share. The
+    tensors returned then read the file itself: the caller copies what it keeps before the file
+    can change (Lightning rewrites ``last.ckpt`` in place). A remote file, or one in torch's
+    legacy format, is read whole.
     """
     path = Path(path)
     trusted = weights_only is False
     try:
         if trusted:
-            return load_file(str(path), map_location="cpu", weights_only=False)
+            return _load(path, weights_only=False, mmap=mmap)
         with torch.serialization.safe_globals(META_SAFE_GLOBALS):
-            return load_file(str(path), map_location="cpu", weights_only=True)
+            return _load(path, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as exc:
         if trusted:
             raise CheckpointError(f"{path}: cannot be unpickled ({_first_line(exc)})") from exc
