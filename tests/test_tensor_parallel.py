@@ -266,7 +266,6 @@ def _tied_cuts(rank: int, size: int, dims: tuple[int, int]) -> list:
     return [None]
 
 
-@pytest.mark.quick
 def test_tied_copies_cut_differently_are_refused_on_every_rank():
     """A plan that cuts a tied embedding by rows and its head by columns: the local parts have
     the same size (the tied-gradient all-reduce would add unrelated elements without a word),
