@@ -426,6 +426,7 @@ def test_plain_trainer_resumes_from_consolidated_zbv_checkpoint(runs, tmp_path):
 _PEAK_OF_A_LOAD = """
 import sys, torch
 from torch import nn
+from lightning_pp.checkpoint.plain_load import load_plain_checkpoint
 
 def status(key):
     for line in open("/proc/self/status"):
@@ -433,16 +434,17 @@ def status(key):
             return int(line.split()[1]) * 1024
     raise KeyError(key)
 
-path, how = sys.argv[1], sys.argv[2]
-module = nn.ModuleDict({{"a": nn.Linear(1024, 1024, bias=False)}})  # 4 MiB of a 32 MiB file
-from lightning_pp.checkpoint.plain_load import load_plain_checkpoint
-open("/proc/self/clear_refs", "w").write("5")  # the peak resident size starts again from here
-before = status("VmRSS")
-if how == "whole":
-    kept = torch.load(path, weights_only=True)["state_dict"]["a.weight"].clone()
-else:
-    load_plain_checkpoint(path, module, canonical={{}}, strict=False)
-print(status("VmHWM") - before)
+def peak_growth(load):
+    open("/proc/self/clear_refs", "w").write("5")  # the peak resident size starts again here
+    before = status("VmRSS")
+    load()
+    return status("VmHWM") - before
+
+path = sys.argv[1]
+module = nn.ModuleDict({"a": nn.Linear(1024, 1024, bias=False)})  # 4 MiB of a 32 MiB file
+mapped = peak_growth(lambda: load_plain_checkpoint(path, module, canonical={}, strict=False))
+whole = peak_growth(lambda: torch.load(path, weights_only=True)["state_dict"]["a.weight"].clone())
+print(mapped, whole)
 """
 
 
@@ -451,28 +453,21 @@ def test_a_rank_pages_in_only_the_tensors_it_takes_from_a_plain_checkpoint(tmp_p
     """A pipeline rank resuming from a plain Lightning checkpoint maps the file: of a 32 MiB
     file whose 4 MiB it holds, its resident peak grows by far less than the file (each of a
     node's ranks read all of it into its own memory before). Measured by the kernel (the
-    process's peak resident size, reset just before the load); the control reads the same
-    file whole with ``torch.load`` and must grow by about the file, so the measurement can
-    tell the two apart."""
+    process's peak resident size, reset just before each load, in one fresh interpreter); the
+    control reads the same file whole with ``torch.load`` and must grow by about the file, so
+    the measurement can tell the two apart."""
     import subprocess
 
     state = {f"{c}.weight": torch.randn(1024, 1024) for c in "abcdefgh"}  # 8 x 4 MiB
     path = tmp_path / "plain.ckpt"
     torch.save({"state_dict": state, "epoch": 0, "global_step": 3}, path)
     script = tmp_path / "peak.py"
-    script.write_text(_PEAK_OF_A_LOAD.format())
+    script.write_text(_PEAK_OF_A_LOAD)
     size = path.stat().st_size
-
-    def peak(how: str) -> int:
-        run = subprocess.run(
-            [sys.executable, str(script), str(path), how],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert run.returncode == 0, run.stderr[-2000:]
-        return int(run.stdout.split()[-1])
-
-    whole, mapped = peak("whole"), peak("mapped")
+    run = subprocess.run(
+        [sys.executable, str(script), str(path)], capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    mapped, whole = (int(v) for v in run.stdout.split()[-2:])
     assert whole > 0.9 * size, (whole, size)  # the control: a whole read shows
     assert mapped < 0.35 * size, (mapped, size, whole)
