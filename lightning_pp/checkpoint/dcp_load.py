@@ -119,8 +119,8 @@ def _optimizer_request(
     the by-name form :func:`~.by_name.positional_optimizer_state` reads (holding those tensors).
 
     An optimizer that holds only part of a parameter's state (a ``zero`` replica's rows, an FSDP2
-    or tensor-parallel shard) says so through ``state_request(param, key, shape, dtype)``: the
-    tensor to read that saved state into, a ``DTensor`` whose local part is what the rank
+    or tensor-parallel shard) says so through ``state_request(param, shape, dtype)``: the
+    tensor to read a saved state of that shape into, a ``DTensor`` whose local part is what the rank
     keeps, so that DCP reads only that part (``None``: the whole tensor, on the CPU). Without
     it, every replica of a stage read each moment whole and then kept its ``1/dp``.
 
@@ -144,9 +144,7 @@ def _optimizer_request(
                 if name in theirs["tensors"] and name not in tensors:
                     specs = theirs["tensors"][name]
                     _check_state_sizes(specs, p, name, i)
-                    tensors[name] = {
-                        k: _requested(state_request, p, k, s) for k, s in specs.items()
-                    }
+                    tensors[name] = {k: _requested(state_request, p, s) for k, s in specs.items()}
                     by_name["state"][name] = {**theirs["values"].get(name, {}), **tensors[name]}
         # groups and missing names checked now (no state: nothing is copied)
         positional_optimizer_state(
@@ -157,11 +155,11 @@ def _optimizer_request(
     return request, merged
 
 
-def _requested(state_request: Any, param: Tensor, key: str, spec: Any) -> Tensor:
-    """What DCP reads the saved state ``key`` of ``param`` into: the optimizer's own request
-    (part of the tensor), or the whole tensor."""
+def _requested(state_request: Any, param: Tensor, spec: Any) -> Tensor:
+    """What DCP reads a saved state of ``param`` (its ``spec``) into: the optimizer's own
+    request (part of the tensor), or the whole tensor."""
     if state_request is not None:
-        part = state_request(param, key, tuple(int(n) for n in spec[1]), spec_dtype(spec))
+        part = state_request(param, tuple(int(n) for n in spec[1]), spec_dtype(spec))
         if part is not None:
             return part
     return empty_from_spec(spec)

@@ -446,9 +446,9 @@ class UnshardedOptimizerView:
         return {"state": state, "param_groups": groups}
 
     def state_request(
-        self, param: Tensor, key: str, shape: tuple[int, ...], dtype: torch.dtype
+        self, param: Tensor, shape: tuple[int, ...], dtype: torch.dtype
     ) -> Tensor | None:
-        """What a checkpoint loader reads ``param``'s saved state ``key`` into: with a mesh, a
+        """What a checkpoint loader reads a saved state of ``param`` into: with a mesh, a
         moment (the parameter's shape) as the ``DTensor`` of this replica's rows (the form it
         was saved in), so only those rows are read from the files; ``None`` for anything else
         (read whole: a step count, a parameter not sharded here, no mesh)."""

@@ -119,9 +119,9 @@ class DTensorOptimizer:
         return self.optimizer.state_dict()
 
     def state_request(
-        self, param: Tensor, key: str, shape: tuple[int, ...], dtype: torch.dtype
+        self, param: Tensor, shape: tuple[int, ...], dtype: torch.dtype
     ) -> Tensor | None:
-        """What a checkpoint loader reads ``param``'s saved state ``key`` into: for a moment
+        """What a checkpoint loader reads a saved state of ``param`` into: for a moment
         of a sharded ``DTensor`` parameter (its shape), an empty ``DTensor`` laid out as the
         parameter, so that DCP reads only this rank's shard from the files; ``None`` for
         anything else (read whole, then laid out by :func:`like`)."""

@@ -247,16 +247,16 @@ _CUT_PLACEMENTS = 4  # mesh dims of a DTensor's placements it holds
 
 
 def _cut_of(t: Tensor | None) -> list[int]:
-    """A fixed-length description of how ``t`` is cut on this rank: held, the global shape,
-    the local shape, then per mesh dim its size and placement (``Shard(d)``: ``d``,
-    ``Replicate``: -1, other: -2). All zeros when this rank holds no copy."""
+    """A fixed-length description of how ``t`` is cut on this rank: its dims plus one (0: this
+    rank holds no copy), the global shape, the local shape, then per mesh dim its size and
+    placement (``Shard(d)``: ``d``, ``Replicate``: -1, other: -2)."""
     words = [0] * (1 + 2 * _CUT_DIMS + 1 + 2 * _CUT_PLACEMENTS)
     if t is None:
         return words
     local = local_part(t)
     if t.dim() > _CUT_DIMS:
         raise ValueError(f"a tied weight of {t.dim()} dims (at most {_CUT_DIMS} are compared)")
-    words[0] = 1
+    words[0] = t.dim() + 1
     words[1 : 1 + t.dim()] = list(t.shape)
     words[1 + _CUT_DIMS : 1 + _CUT_DIMS + local.dim()] = list(local.shape)
     if isinstance(t, DTensor):
@@ -271,8 +271,9 @@ def _cut_of(t: Tensor | None) -> list[int]:
 
 def _describe_cut(words: Sequence[int]) -> str:
     """``Shard(1) over 2 ranks of (32, 16), local (32, 8)`` from :func:`_cut_of`'s words."""
-    shape = tuple(w for w in words[1 : 1 + _CUT_DIMS] if w) or ()
-    local = tuple(words[1 + _CUT_DIMS : 1 + 2 * _CUT_DIMS][: len(shape)])
+    ndim = words[0] - 1
+    shape = tuple(words[1 : 1 + ndim])
+    local = tuple(words[1 + _CUT_DIMS : 1 + _CUT_DIMS + ndim])
     n = words[1 + 2 * _CUT_DIMS]
     base = 2 + 2 * _CUT_DIMS
     parts = []
@@ -332,23 +333,24 @@ def tied_parameter_sync(
     """
     from ..layout.placement import layer_of
 
-    def local_copy(names: Sequence[str]) -> Tensor | None:
-        return next((layers.get_parameter(n) for n in names if layer_of(n) in layers), None)
-
-    check_tied_cuts([(tuple(names), local_copy(names)) for names in layers.tied])
+    # this rank's copy of each tied weight (the first of its names held here), None if none
+    copies = [
+        next((layers.get_parameter(n) for n in names if layer_of(n) in layers), None)
+        for names in layers.tied
+    ]
+    check_tied_cuts([(tuple(names), copy) for names, copy in zip(layers.tied, copies)])
     tied: list[TiedGroup] = []
-    for names in layers.tied:
+    for names, copy in zip(layers.tied, copies):
         pp_ranks, owner = placement.tied_ranks(layer_of(n) for n in names)
         if len(pp_ranks) < 2:
             continue
         lists, mine = topology.stage_lists(list(pp_ranks))
         group = groups.new_groups(lists)  # collective: every rank creates every group
-        local = [n for n in names if layer_of(n) in layers]
-        if local:
+        if copy is not None:
             tied.append(
                 TiedGroup(
                     names=tuple(names),
-                    param=layers.get_parameter(local[0]),
+                    param=copy,
                     owner_rank=topology.global_rank(owner),
                     ranks=lists[mine],
                     group=group,
