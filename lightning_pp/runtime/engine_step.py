@@ -427,11 +427,18 @@ class StepRun:
             return self._forward(action, received)
         # Backward with autocast off, as Lightning runs it (outside the precision plugin's
         # forward context, which wraps this whole step): see split_backward.autocast_off.
-        with autocast_off():
-            if action.op is Op.W:
-                self._weight_backward(action)
-                return []
-            return self._backward(action, received)
+        # Tested here first: without autocast (fp32) the context manager is pure overhead on
+        # every backward action.
+        if torch._C._is_any_autocast_enabled():
+            with autocast_off():
+                return self._any_backward(action, received)
+        return self._any_backward(action, received)
+
+    def _any_backward(self, action: Action, received: Sequence[PendingRecv]) -> list[Message]:
+        if action.op is Op.W:
+            self._weight_backward(action)
+            return []
+        return self._backward(action, received)
 
     def _forward(self, action: Action, received: Sequence[PendingRecv]) -> list[Message]:
         engine, c, mb = self.engine, action.chunk, action.mb

@@ -6,6 +6,7 @@ executes it, the simulator predicts its timeline, and the renderers draw it.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 from enum import Enum
@@ -150,9 +151,10 @@ class Schedule:
             placement=self.placement,
         )
 
-    @property
+    @functools.cached_property
     def split_backward(self) -> bool:
-        """Whether any rank runs split backwards (``I`` / ``W`` steps)."""
+        """Whether any rank runs split backwards (``I`` / ``W`` steps). Cached: the engine asks
+        at every forward, and the answer is a scan of the whole order."""
         return any(a.op in (Op.I, Op.W) for r in self.ranks for a in r)
 
     def to_dict(self) -> dict:
