@@ -285,6 +285,19 @@ def test_ops_vs_bare_script(capsys):
         assert cells[7] == "-" and all(float(c) >= 0 for c in cells[2:7] + cells[8:]), row
 
 
+def test_poll_latency_script(capsys):
+    """benchmarks/poll_latency.py: its stand-in works complete when said, and a row per mode
+    and wait (structure only, no timing)."""
+    from benchmarks import poll_latency
+
+    for poll_works in (True, False):
+        med, worst, cpu = poll_latency.measure(poll_works, 0.001, 2)
+        assert 0.0 <= med <= worst and cpu >= 0.0
+    poll_latency.main(["--repeats", "1"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert len(rows) == 1 + 2 * len(poll_latency.WAITS_MS)  # the header, a row per wait
+
+
 def test_zero_bubble_report_renders_targets_and_bare_rows():
     """bench_zero_bubble's tables from records shaped like bench_pipeline's (no processes): the
     targets read ours and torch, the bare executor's rows divide by the simulated makespan and
