@@ -10,7 +10,10 @@ gradient norm).
 * ``split=``: unmodified ``LlamaForCausalLM`` and ``Qwen2ForCausalLM`` with ``tp_plan="auto"``
   (their own plans, transformers' own styles) at pp2 x tp2.
 * Checkpoints: written at pp2 x tp2, resumed at pp2 x tp2, pp2 x tp1 x dp2, pp4 x tp1 and in a
-  plain Trainer; written at pp2 x dp2 and resumed at pp2 x tp2 (tp1 -> tp2).
+  plain Trainer; written at pp2 x dp2 and resumed at pp2 x tp2 (tp1 -> tp2); written at
+  pp2 x dp2 x tp2 under fsdp, resumed there, at tp2 without fsdp, at fsdp x dp4 and plain.
+* fsdp x tp: FSDP2 over each tensor-parallel shard (2-D placements) at pp2 x dp2 x tp2 under
+  1f1b (the tie across ranks) and zbv (the tie on one rank, left whole by FSDP2).
 * The rules: the world, the sharding, the plan settings and the model's sizes are refused with
   the numbers named, before any process group exists.
 """
@@ -47,7 +50,13 @@ WORLD4 = [
 ]
 # last (it patches the strategy while it runs): replicated weights counted on every tp rank
 PLANTED = {"name": "tp2_norm_planted", **TP2, "plant": "tp_norm_everywhere"}
-WORLD8 = [{"name": "tp2_dp2_interleaved", **TP2, "vpp": 2}]
+WORLD8 = [
+    {"name": "tp2_dp2_interleaved", **TP2, "vpp": 2},
+    # FSDP2 over each tensor-parallel shard: 2-D placements (a column-wise weight is a
+    # _StridedShard over dp), the tie across ranks (1f1b) and on one rank, left whole (zbv)
+    {"name": "tp2_dp2_fsdp_1f1b", **TP2, "fsdp": True},
+    {"name": "tp2_dp2_fsdp_zbv", **TP2, "fsdp": True, "schedule": "zbv"},
+]
 HF = {"split": "model.model.layers", "pp": 2, "microbatches": 4, "clip": 1.0}
 ATTENTION_ONLY = {
     "model.layers.*.self_attn.q_proj": "colwise",
@@ -112,11 +121,17 @@ def test_counting_replicated_weights_on_every_tp_rank_is_caught(runs, reference)
 @pytest.mark.parametrize("cfg", WORLD4 + WORLD8, ids=[c["name"] for c in WORLD4 + WORLD8])
 def test_each_rank_allocates_one_tp_th_of_its_sharded_weights(runs, cfg):
     """Measured from the tensors: the local shards' storages of the weights cut over tp hold
-    exactly 1/tp of their bytes, on every rank of every stage."""
+    exactly 1/tp of their bytes, on every rank of every stage; under fsdp 1/(tp * dp), but for a
+    weight FSDP2 leaves whole (zbv's tied embedding and head, on one rank), 1/tp."""
     for d in runs[cfg["name"]]:
+        dp = d["dp"] if cfg.get("fsdp") else 1
+        whole = d["sharding"]["whole_tp_bytes"]  # cut over tp only
         assert d["tp_sharded_bytes"] > 0
-        assert d["tp_sharded_bytes"] * cfg["tp"] == d["tp_whole_bytes"]
+        assert d["tp_sharded_bytes"] * cfg["tp"] * dp == d["tp_whole_bytes"] + whole * (dp - 1)
         assert d["local_layers"] == d["expected_layers"]
+    left_whole = [d["rank"] for d in runs[cfg["name"]] if d["sharding"]["whole_tp_bytes"]]
+    # zbv's first pipeline rank (ranks 0-3 of pp2 x dp2 x tp2) holds the tie in two chunks
+    assert left_whole == ([0, 1, 2, 3] if cfg.get("fsdp") and cfg.get("schedule") else [])
 
 
 # ---------------------------------------------------------------------------- split= (HF)
@@ -154,6 +169,24 @@ def test_unmodified_hf_models_with_their_own_tp_plan_match(hf_runs, cfg):
     for tp_rank in (0, 1):  # ranks 0, 2 (tp 0) and 1, 3 (tp 1): each a partition of the keys
         keys = [k for d in ranks[tp_rank::2] for k in d["keys"]]
         assert sorted(keys) == plain
+
+
+HF_FSDP = {"name": "llama_tp2_dp2_fsdp", "model": "llama", **HF, "tp": 2, "tp_plan": "auto",
+           "fsdp": True}  # fmt: skip
+
+
+def test_an_unmodified_hf_model_trains_under_fsdp_times_tp(tmp_path):
+    """Llama with its own tp plan at pp2 x dp2 x tp2 and FSDP2 over each tp shard (8 ranks):
+    the plain Trainer's losses (1e-5) on every rank."""
+    from split_common import run_reference as split_reference
+
+    argv = ["--out", str(tmp_path), "--configs", json.dumps([HF_FSDP])]
+    world("trainer", 8).run(script_main, "split_run", argv, timeout=600)
+    ref = split_reference({k: v for k, v in HF_FSDP.items() if k not in ("tp", "tp_plan", "fsdp")})
+    for r in range(8):
+        d = json.loads((tmp_path / f"{HF_FSDP['name']}.rank{r}.json").read_text())
+        assert max(rel_errors(d["train"], ref["train"])) <= REL_TOL, r
+        assert max(rel_errors(d["val"], ref["val"])) <= REL_TOL, r
 
 
 # ---------------------------------------------------------------------------- checkpoints
@@ -245,6 +278,70 @@ def test_a_tensor_parallel_resume_reads_only_each_ranks_shard_of_the_moments(ckp
     assert {k: n for k, n in plain["read_elements"].items() if k in cut} == cut
 
 
+@pytest.fixture(scope="module")
+def fsdp_ckpt_runs(tmp_path_factory) -> Path:
+    """pp2 x dp2 x tp2 under fsdp saves at step 5 (8 ranks) and resumes at its own shape, at
+    tp2 without fsdp, at fsdp without tp (dp4) and in a plain Trainer."""
+    out = tmp_path_factory.mktemp("fsdp_tp_ckpt")
+    ck = out / "ck"
+    step5 = str(ck / "step=5.ckpt")
+    dec = {"model": "decoder", "microbatches": 2}
+    phases = [
+        {"name": "f_save", "pp": 2, "tp": 2, "fsdp": True, **dec, "max_steps": 5, "every": 5,
+         "ckpt_dir": str(ck)},
+        {"name": "f_resume", "pp": 2, "tp": 2, "fsdp": True, **dec, "max_steps": 10,
+         "resume": step5},
+        {"name": "f_to_tp2", "pp": 2, "tp": 2, **dec, "max_steps": 10, "resume": step5},
+        {"name": "f_to_tp1", "pp": 2, "fsdp": True, **dec, "max_steps": 10, "resume": step5},
+    ]  # fmt: skip
+    (out / "w").mkdir()
+    argv = ["--out", str(out / "w"), "--phases", json.dumps(phases)]
+    world("trainer", 8).run(script_main, "ckpt_run", argv, timeout=500)
+    from ckpt_run import run_phase
+
+    torch.set_num_threads(1)
+    (out / "p").mkdir()
+    run_phase(
+        {"name": "plain_full", "pp": 0, "model": "decoder", "max_steps": 10}, str(out / "p"), 1
+    )
+    plain = {"name": "f_to_plain", "pp": 0, "model": "decoder", "max_steps": 10, "resume": step5}
+    run_phase({**plain, "pipeline_io": True}, str(out / "p"), 1)
+    return out
+
+
+@pytest.mark.parametrize(
+    "name,group,size",
+    [("f_resume", "w", 8), ("f_to_tp2", "w", 8), ("f_to_tp1", "w", 8), ("f_to_plain", "p", 1)],
+)
+def test_an_fsdp_tensor_parallel_checkpoint_resumes_at_any_shape(fsdp_ckpt_runs, name, group, size):
+    """Written with 2-D shards (FSDP2 over each tensor-parallel shard), read back at the same
+    shape, with one of the two cuts dropped, and whole: steps 6-10 equal the uninterrupted plain
+    run's; at its own shape each rank reads a quarter of every tensor cut both ways."""
+    import math
+
+    from lightning_pp.checkpoint.dcp_safe import read_dcp_metadata
+
+    full = _ck(fsdp_ckpt_runs, "p", "plain_full", 1)[0]
+    for d in _ck(fsdp_ckpt_runs, "w", "f_save", 8):
+        assert max(rel_errors(d["train_loss"], full["train_loss"][:5])) <= REL_TOL
+    for d in _ck(fsdp_ckpt_runs, group, name, size):
+        assert max(rel_errors(d["train_loss"], full["train_loss"][5:])) <= RESHARD_TOL, name
+        assert d["lr"] == full["lr"][5:]
+        assert d["global_step"] == 10
+    if name != "f_resume":
+        return
+    meta = read_dcp_metadata(fsdp_ckpt_runs / "ck" / "step=5.ckpt" / ".metadata")
+    cut = {
+        k: math.prod(v.size)
+        for k, v in meta.state_dict_metadata.items()
+        if len(getattr(v, "chunks", ())) == 4  # cut over dp and tp: parameters and moments
+    }
+    assert any(k.startswith("optimizer_0.state.") for k in cut) and cut
+    for d in _ck(fsdp_ckpt_runs, "w", name, 8):
+        got = {k: n for k, n in d["read_elements"].items() if k in cut}
+        assert got and all(4 * n == cut[k] for k, n in got.items()), (d["rank"], got)
+
+
 def _tied_cuts(rank: int, size: int, dims: tuple[int, int]) -> list:
     """Ranks 0-1 (pipeline rank 0) hold the embedding cut as ``Shard(dims[0])`` over their tp
     pair, ranks 2-3 the head as ``Shard(dims[1])``; a second tied weight is held whole by ranks
@@ -296,11 +393,12 @@ def test_the_world_must_be_pp_times_dp_times_tp():
 
 
 @pytest.mark.quick
-@pytest.mark.parametrize("sharding", [{"zero": 1}, {"fsdp": True}])
-def test_tensor_parallel_with_sharded_data_parallel_is_refused_by_name(sharding):
-    what = "fsdp=True" if "fsdp" in sharding else "zero=1"
-    with pytest.raises(PreflightError, match=rf"tp=2 with {what}: .* not supported yet"):
-        PipelinePlan.build(pp=2, tp=2, world_size=8, **sharding)
+@pytest.mark.parametrize("zero", [1, 2])
+def test_tensor_parallel_with_the_distributed_optimizer_is_refused_by_name(zero):
+    with pytest.raises(PreflightError, match=rf"tp=2 with zero={zero}: .* use tp=2 with fsdp"):
+        PipelinePlan.build(pp=2, tp=2, world_size=8, zero=zero)
+    plan = PipelinePlan.build(pp=2, tp=2, world_size=8, fsdp=True)  # FSDP2 composes with tp
+    assert (plan.dp, plan.tp) == (2, 2)
 
 
 @pytest.mark.quick

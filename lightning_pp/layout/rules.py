@@ -184,16 +184,16 @@ def check_settings(
 
 
 def check_tensor_parallel(tp: Any, zero: Any = 0, fsdp: Any = False) -> None:
-    """``tp`` is a positive int; with ``tp > 1`` the data-parallel sharding is plain
-    replication for now (``zero`` and ``fsdp`` are refused, naming the setting)."""
+    """``tp`` is a positive int; with ``tp > 1`` the data-parallel sharding is FSDP2
+    (``fsdp=True``: each tensor-parallel shard is sharded again over the replicas, as
+    torchtitan composes them) or plain replication: ``zero`` is refused, naming the setting."""
     _positive(tp=tp)
-    if tp > 1 and (zero or fsdp):
-        what = "fsdp=True" if fsdp else f"zero={zero}"
+    if tp > 1 and zero:
         raise PreflightError(
-            f"tp={tp} with {what}: sharding the optimizer or the parameters over the "
-            f"data-parallel replicas inside a tensor-parallel group is not supported yet; use "
-            f"tp={tp} with zero=0 and fsdp=False (plain data-parallel replicas), or {what} with "
-            f"tp=1",
+            f"tp={tp} with zero={zero}: the distributed optimizer does not shard "
+            f"tensor-parallel parameters yet; use tp={tp} with fsdp=True (FSDP2 shards each "
+            f"tensor-parallel shard over the data-parallel replicas) or with zero=0, or "
+            f"zero={zero} with tp=1",
             key="tp",
         )
 

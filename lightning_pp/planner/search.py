@@ -675,8 +675,8 @@ def _splits(
 
 
 def _shardings(dp: int, space: SearchSpace, tp: int = 1) -> list[Sharding]:
-    """The shardings tried for ``dp`` replicas (only none for one replica, and with ``tp > 1``,
-    which the plan's rules do not combine with ``zero``/``fsdp`` yet)."""
+    """The shardings tried for ``dp`` replicas (only none for one replica, and with ``tp > 1``:
+    the rules refuse ``zero`` there, and ``fsdp`` with tp is not modelled here yet)."""
     labels = [x for x in space.shardings if dp > 1 and tp == 1] or ["none"]
     return [Sharding.parse(x, dp=dp, bucket_cap_mb=space.bucket_cap_mb) for x in labels]
 

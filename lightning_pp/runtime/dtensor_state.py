@@ -24,7 +24,7 @@ from torch.optim import Optimizer
 
 __all__ = [
     "DTensorOptimizer",
-    "counted_once_here",
+    "counted_once",
     "like",
     "local_part",
     "match_grad_placements",
@@ -62,16 +62,38 @@ def match_grad_placements(params: Any) -> None:
                 p.grad = g.redistribute(p.device_mesh, p.placements)
 
 
-def counted_once_here(param: Tensor, tp_rank: int) -> bool:
-    """Whether this rank's local part of ``param`` is counted in a sum over the tensor-parallel
-    ranks (a global norm): a part sharded over tp is distinct on every tp rank and counts
-    everywhere; a whole tensor (a LayerNorm's weight) or a ``Replicate`` DTensor is the same on
-    every tp rank and counts on tp rank 0 only (torchtitan#596 counted such norms tp times)."""
+def counted_once(param: Tensor, coordinate: Mapping[str, int]) -> bool:
+    """Whether this rank's local part of ``param`` counts in a sum over the world (a global
+    norm), so that every value counts once. ``coordinate``: this rank's place on the mesh dims
+    that may replicate a parameter, by name (``{"data_parallel": 1, "tensor_parallel": 0}``).
+
+    A ``DTensor``'s local part is distinct along the mesh dims it is sharded over and the same
+    along every other (a ``Replicate`` placement, or a dim its mesh lacks); a plain tensor is the
+    same everywhere. It counts where this rank sits at 0 on each dim that replicates it: a
+    LayerNorm's weight on tp rank 0 (torchtitan#596 counted it tp times), a tensor-parallel
+    shard on every tp rank of data-parallel replica 0, an FSDP2 shard of it (sharded over both
+    dims) everywhere.
+
+    Example:
+        >>> import torch
+        >>> counted_once(torch.ones(2), {"data_parallel": 0, "tensor_parallel": 1})
+        False
+    """
     from torch.distributed.tensor import DTensor
 
-    if isinstance(param, DTensor) and any(pl.is_shard() for pl in param.placements):
-        return True
-    return tp_rank == 0
+    sharded: set[str] = set()
+    if isinstance(param, DTensor):
+        names = param.device_mesh.mesh_dim_names
+        if names is None:
+            raise ValueError(
+                f"a DTensor parameter of shape {tuple(param.shape)} on an unnamed mesh of shape "
+                f"{tuple(param.device_mesh.shape)}: its placements {param.placements} cannot be "
+                f"matched to the data- and tensor-parallel dims {sorted(coordinate)}"
+            )
+        # not ``is_shard()``: FSDP2 over a tensor-parallel dim 0 gives ``_StridedShard``, which
+        # is no ``Shard`` in torch 2.13 (it answers False) yet splits the tensor all the same
+        sharded = {name for name, pl in zip(names, param.placements) if not pl.is_replicate()}
+    return all(at == 0 for dim, at in coordinate.items() if dim not in sharded)
 
 
 def like(current: Any, value: Any) -> Any:

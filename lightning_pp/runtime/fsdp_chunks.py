@@ -422,16 +422,16 @@ class _Unit:
 
 
 def _own_params(module: nn.Module) -> list[nn.Parameter]:
-    """``module``'s parameters that it manages itself: its ``DTensor`` shards that no nested
-    FSDP2 module manages (a parameter left out with ``ignored_params`` is a plain tensor, and
-    its gradient is the ``replicated`` sync's business)."""
-    nested = {
-        id(p)
-        for sub in module.modules()
-        if sub is not module and isinstance(sub, FSDPModule)
-        for p in sub.parameters()
-    }
-    return [p for p in module.parameters() if id(p) not in nested and isinstance(p, DTensor)]
+    """``module``'s parameters that it manages itself: the shards of its own FSDP2 parameter
+    groups (those of nested FSDP2 modules belong to them). Not "its ``DTensor`` s": a parameter
+    left out with ``ignored_params`` is a plain tensor without tensor parallelism but a
+    ``DTensor`` with it, and its gradient is the ``replicated`` sync's business (taken for a
+    shard, it was set aside at the reduce and added back unsynced)."""
+    return [
+        fsdp_param.sharded_param
+        for group in _param_groups(cast(FSDPModule, module))
+        for fsdp_param in group.fsdp_params
+    ]
 
 
 def _units(chunk: int, root: nn.Module) -> list[_Unit]:
@@ -505,8 +505,10 @@ class FsdpGradSync:
         """``dp`` and the replicas' global ranks (for hang reports), from the shards' mesh."""
         for units in self.units:
             for u in units:
+                # dim 0: FSDP2's own. Under tensor parallelism a shard's mesh is (dp, tp), whose
+                # size() is dp * tp
                 mesh = cast(DTensor, u.params[0]).device_mesh
-                return mesh.size(), dist.get_process_group_ranks(mesh.get_group())
+                return mesh.size(0), dist.get_process_group_ranks(mesh.get_group(0))
         return 1, None
 
     def _install_mean(self, unit: _Unit) -> None:

@@ -65,9 +65,15 @@ from ..layout.rules import (
     check_split_settings,
     default_schedule,
 )
-from ..layout.topology import PipelineTopology, ProcessGroups, build_process_groups
+from ..layout.topology import (
+    DP_DIM,
+    TP_DIM,
+    PipelineTopology,
+    ProcessGroups,
+    build_process_groups,
+)
 from ..runtime.distributed_optimizer import ShardedGradSync
-from ..runtime.dtensor_state import DTensorOptimizer, counted_once_here
+from ..runtime.dtensor_state import DTensorOptimizer, counted_once
 from ..runtime.errors import DEFAULT_WATCHDOG_TIMEOUT, PipelineAborted, report_failure
 from ..runtime.fsdp_chunks import FsdpGradSync, reshard_chunks, unmix_foreach
 from ..runtime.grad_sync import DeferredGradSync, TiedParameterSync
@@ -610,11 +616,11 @@ class PipelineStrategy(ProcessGroupStrategy):
         squares are summed over the whole world, tied copies' rows counted once."""
         sync, tied = self.grad_sync, self.tied_sync
         topo = self.layout.need_topology()
-        if topo.tp > 1:  # shards over tp: sum every rank's squares, each value counted once
+        if topo.tp > 1:  # shards over tp (and dp, under fsdp): each value counted once
             skip = tied.non_owner_params()
-            for p in params:
-                if topo.dp_rank != 0 or not counted_once_here(p, topo.tp_rank):
-                    skip.add(id(p))  # a replica's copy, or a tp-replicated weight off tp rank 0
+            here = {DP_DIM: topo.dp_rank, TP_DIM: topo.tp_rank}
+            # a replica's copy, a tp-replicated weight off tp rank 0
+            skip.update(id(p) for p in params if not counted_once(p, here))
             return clip_sharded_by_global_norm(params, max_norm, skip=skip)
         if isinstance(sync, ShardedGradSync):
             return clip_sharded_by_global_norm(params, max_norm, skip=sync.grad_norm_skip(tied))

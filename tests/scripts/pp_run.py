@@ -150,17 +150,19 @@ def _plant_tp_norm_everywhere() -> None:
     """Planted bug (torchtitan#596): the clipping's norm counts a weight replicated over the tp
     ranks (a LayerNorm) on every tp rank instead of once."""
     import lightning_pp.strategy.pipeline_strategy as strategy_module
+    from lightning_pp.layout.topology import TP_DIM
+    from lightning_pp.runtime.dtensor_state import counted_once
 
-    strategy_module.counted_once_here = lambda param, tp_rank: True
+    strategy_module.counted_once = lambda param, here: counted_once(param, {**here, TP_DIM: 0})
 
 
 def _remove_plant() -> None:
     import lightning_pp.runtime.distributed_optimizer as zero_module
     import lightning_pp.strategy.pipeline_strategy as strategy_module
-    from lightning_pp.runtime.dtensor_state import counted_once_here
+    from lightning_pp.runtime.dtensor_state import counted_once
 
     zero_module.dist = dist  # the shared worlds run other cases in this process next
-    strategy_module.counted_once_here = counted_once_here
+    strategy_module.counted_once = counted_once
 
 
 def _mesh(strategy, model) -> dict:
@@ -187,16 +189,24 @@ def _sharding(strategy) -> dict:
         "kind": type(sync).__name__,
         # fsdp=True: parameters FSDP2 leaves whole (a weight two local chunks share)
         "whole_numel": sum(p.numel() for p in getattr(strategy, "_fsdp_whole", [])),
+        # of those, the bytes of the weights cut over tp (FSDP2 leaves them cut once only)
+        "whole_tp_bytes": sum(
+            p.numel() * p.element_size()
+            for p in getattr(strategy, "_fsdp_whole", [])
+            if _tp_sharded(p)
+        ),
     }
 
 
 def _tp_sharded(p) -> bool:
-    """A weight cut over the tensor-parallel ranks (a DTensor with a Shard placement on a mesh
-    named "tensor_parallel"; FSDP2's shards are on "data_parallel")."""
+    """A weight cut over the tensor-parallel ranks: a DTensor whose placement on the mesh dim
+    named "tensor_parallel" is not ``Replicate`` (FSDP2's own shards are on "data_parallel";
+    under fsdp x tp a weight is cut on both)."""
     mesh = getattr(p, "device_mesh", None)
-    if mesh is None or mesh.mesh_dim_names != ("tensor_parallel",):
+    names = mesh.mesh_dim_names if mesh is not None else None
+    if not names or "tensor_parallel" not in names:
         return False
-    return any(pl.is_shard() for pl in p.placements)
+    return not p.placements[names.index("tensor_parallel")].is_replicate()
 
 
 def run(cfg: dict, devices: int, out: str) -> None:
