@@ -206,7 +206,7 @@ def _profile() -> ModelProfile:
     )
 
 
-def test_search_tries_tp_where_the_world_allows_and_only_unsharded():
+def test_search_tries_tp_where_the_world_allows_with_fsdp_and_never_zero():
     shares = {
         tp: [TpLayer(tp, 1_000_000 // tp, 1_000_000, 1 / tp, (250,), (250,))] * 6 for tp in (2, 4)
     }
@@ -217,7 +217,14 @@ def test_search_tries_tp_where_the_world_allows_and_only_unsharded():
     assert all(tp * pp * dp == 8 for tp, pp, dp in seen)
     assert ("tp=8", "no tensor-parallel shares of the layers (tp_layers)") in result.rejected
     tp_rows = [p for p in result.ranked if p.candidate.tp > 1]
-    assert {p.candidate.sharding_label for p in tp_rows} == {"none"}
+    # zero does not compose with tp (the rules refuse it); fsdp shards each tp share over dp
+    assert {p.candidate.sharding_label for p in tp_rows if p.candidate.dp > 1} == {"none", "fsdp"}
+    assert {p.candidate.sharding_label for p in tp_rows if p.candidate.dp == 1} == {"none"}
+    assert {p.candidate.sharding_label for p in result.ranked if p.candidate.tp == 1} == {
+        "none",
+        "zero=1",
+        "fsdp",
+    }
     # the same pipeline with tp 2 instead of dp 2: half the states per rank
     by = {(p.candidate.tp, p.candidate.pp, p.candidate.microbatches): p for p in result.ranked
           if p.candidate.sharding_label == "none" and p.candidate.schedule == "1f1b"}  # fmt: skip
@@ -226,6 +233,15 @@ def test_search_tries_tp_where_the_world_allows_and_only_unsharded():
     assert "tp2" in two.candidate.shape
     strategy = chosen_config({"strategy": {}}, two, world=8)["strategy"]
     assert strategy["tp"] == 2 and strategy["zero"] == 0
+    # fsdp at tp 2 (dp 2): the tp share's optimizer state split over the two replicas
+    sharded = next(
+        p for p in result.ranked
+        if (p.candidate.tp, p.candidate.pp, p.candidate.microbatches) == (2, 2, 2)
+        and p.candidate.sharding_label == "fsdp" and p.candidate.schedule == "1f1b"
+    )  # fmt: skip
+    assert sharded.heaviest.optimizer * 2 == two.heaviest.optimizer
+    strategy = chosen_config({"strategy": {}}, sharded, world=8)["strategy"]
+    assert (strategy["tp"], strategy["fsdp"], strategy["zero"]) == (2, True, 0)
     plain = search(_profile(), world=8, global_batch=16, space=SearchSpace(recomputes=(None,)))
     assert {p.candidate.tp for p in plain.ranked} == {1}
 
@@ -278,10 +294,14 @@ def test_70b_per_rank_bytes_at_each_tp(capsys):
         assert m, line
         tp, dp, sharding, params, peak, fits = (m[1], m[3], m[4], m[5], m[6], m[7])
         peaks[int(tp)] = (int(dp), sharding, float(params), float(peak), fits)
-    assert peaks[1][:2] == (8, "zero=1") and peaks[2][:2] == (4, "none")
-    assert peaks[8][0] == 1
-    # the bf16 parameters of the heaviest rank: 16.50 GiB whole, / tp (norms, wpe: whole)
+    # a sharded config (zero=1) keeps sharding at tp > 1 with fsdp, the sharding tp takes
+    assert peaks[1][:2] == (8, "zero=1") and peaks[2][:2] == (4, "fsdp")
+    assert peaks[4][:2] == (2, "fsdp") and peaks[8][:2] == (1, "none")
+    # the bf16 parameters of the heaviest rank: 16.50 GiB whole, / tp (norms, wpe: whole);
+    # under fsdp the peak holds the 1/dp shard and the gathered tp share (S p + N p)
     for tp in (2, 4, 8):
-        assert peaks[tp][2] == pytest.approx(16.50 / tp, rel=0.01)
+        dp = peaks[tp][0]
+        gathered = 1 + 1 / dp if peaks[tp][1] == "fsdp" else 1
+        assert peaks[tp][2] == pytest.approx(16.50 / tp * gathered, rel=0.01)
     assert peaks[1][3] > peaks[4][3] > peaks[8][3]
     assert all(p[4] == "yes" for p in peaks.values())

@@ -134,6 +134,52 @@ def test_each_rank_allocates_one_tp_th_of_its_sharded_weights(runs, cfg):
     assert left_whole == ([0, 1, 2, 3] if cfg.get("fsdp") and cfg.get("schedule") else [])
 
 
+@pytest.mark.parametrize("name", ["tp2_1f1b", "tp2_dp2_interleaved", "tp2_dp2_fsdp_1f1b"])
+def test_the_plans_tp_prediction_is_within_2_percent_of_the_measured_bytes(runs, name):
+    """What ``lightning-pp plan`` predicts for one tp rank (the state formulas of
+    planner.sharding on the tp-local layer shapes the meta model gives,
+    planner.tensor_parallel.local_layers) against what ModelStateMemoryMonitor measured from
+    the tensors after the optimizer step, on every rank: parameters, gradients, master weights
+    and optimizer state, each within 2 %; under fsdp each tp share sharded again over dp."""
+    from pp_common import MODEL_KW
+
+    from lightning_pp.models.decoder import DecoderLM
+    from lightning_pp.planner.meta_profile import layer_tensor_shapes, meta_layers
+    from lightning_pp.planner.sharding import sharded_state_bytes
+    from lightning_pp.planner.tensor_parallel import local_layers, record_tp_styles
+
+    cfg = next(c for c in WORLD4 + WORLD8 if c["name"] == name)
+    with torch.device("meta"):
+        model = DecoderLM(**MODEL_KW)
+        model.configure_model()
+    layers = meta_layers(model)
+    styles = record_tp_styles(model, layers, cfg["tp"])
+    assert styles is not None
+    shapes = [layer_tensor_shapes(layer) for layer in local_layers(layers, styles, cfg["tp"])]
+    ranks = runs[name]
+    plan = PipelinePlan.build(
+        pp=cfg["pp"],
+        vpp=cfg.get("vpp"),
+        schedule=cfg.get("schedule"),
+        world_size=len(ranks),
+        tp=cfg["tp"],
+        microbatches=cfg["microbatches"],
+        num_layers=len(layers),
+        fsdp=cfg.get("fsdp", False),
+    )
+    for d in ranks:
+        want = sharded_state_bytes(plan, shapes, d["pp_rank"], dp_rank=d["dp_rank"], param_bytes=4)
+        predicted = {
+            "params": want.params_at_step,
+            "grads": want.grads_at_step,
+            "master": want.master,
+            "optimizer": want.optimizer,
+        }
+        for key, value in predicted.items():
+            got = d["held"][key]
+            assert abs(got - value) <= 0.02 * max(got, value), (name, d["rank"], key, got, value)
+
+
 # ---------------------------------------------------------------------------- split= (HF)
 @pytest.fixture(scope="module")
 def hf_runs(tmp_path_factory) -> dict[str, list[dict]]:

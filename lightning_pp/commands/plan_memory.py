@@ -164,7 +164,7 @@ def memory_lines(
     """The report's memory sections for ``plan`` (its layers known)."""
     from lightning_pp.planner.plan_memory import compare_shardings
     from lightning_pp.planner.report import format_memory_table, format_sharding_table
-    from lightning_pp.planner.sharding import Sharding, StateBytes
+    from lightning_pp.planner.sharding import StateBytes
 
     state = StateBytes.for_precision(settings.precision, settings.optimizer)
     module = None if info is None else info.module
@@ -181,7 +181,6 @@ def memory_lines(
         state,
         recompute=recompute,
         reshard_after_forward=_reshard(plan, settings),
-        shardings=None if plan.tp == 1 else [Sharding(dp=plan.dp or 1)],
     )
     current = _current_label(plan, settings)
     mine = next((r for r in rows if r.label == current), rows[0])
@@ -219,8 +218,13 @@ def memory_lines(
             "gradients, fsdp the",
             "  gathered parameters) and the optimizer step; states at step: params + grads + "
             "master + optimizer there",
-            "  choose one with strategy.zero=1, strategy.zero=2 or strategy.fsdp=true "
-            "(docs/planner.md, 'Sharded memory')",
+            (
+                "  choose one with strategy.zero=1, strategy.zero=2 or strategy.fsdp=true "
+                if plan.tp == 1
+                else f"  choose fsdp with strategy.fsdp=true (zero does not compose with "
+                f"tp={plan.tp}) "
+            )
+            + "(docs/planner.md, 'Sharded memory')",
         ]
     return out + _tp_lines(cfg, plan, module, state, settings, recompute, mine)
 
@@ -237,8 +241,9 @@ def _tp_lines(
     """The heaviest pipeline rank on one tensor-parallel rank at each tp of
     :data:`~lightning_pp.planner.tensor_parallel.TP_CANDIDATES` the world and the model allow
     (the others with the reason): the same pipeline and microbatch, ``dp = world / (pp x
-    tp)``; ``tp > 1`` unsharded over dp (``zero``/``fsdp`` with tp are not supported yet),
-    tp = 1 with the config's own sharding when the config runs tp = 1."""
+    tp)``; at the config's tp its own sharding; at another tp ``fsdp`` over dp where the
+    config shards (``zero`` or ``fsdp``: ``zero`` does not compose with tp) and dp > 1, else
+    unsharded."""
     from lightning_pp.layout.rules import PreflightError
     from lightning_pp.planner.meta_profile import meta_layers
     from lightning_pp.planner.plan_memory import compare_shardings
@@ -274,8 +279,13 @@ def _tp_lines(
             rows.append((tp, dp, "not measured"))
             continue
         known = known and costs is not None
+        # a sharded config keeps sharding at this tp: fsdp, the one sharding tp composes with
+        fsdp = bool(plan.zero or plan.fsdp) and dp > 1
+        sharding = Sharding(
+            fsdp=fsdp, dp=dp, reshard_after_forward=fsdp and _reshard(plan, settings)
+        )
         got = compare_shardings(
-            at, tensors, costs, state, recompute=recompute, shardings=[Sharding(dp=dp)]
+            at, tensors, costs, state, recompute=recompute, shardings=[sharding]
         )
         rows.append((tp, dp, got[0]))
     limit = settings.limit
@@ -291,9 +301,10 @@ def _tp_lines(
         ),
         "  tp shards the attention and MLP Linears, the vocabulary embedding and the head; "
         "norms, the position",
-        "  embedding and the stage boundary stay whole; tp > 1 runs unsharded over dp "
+        "  embedding and the stage boundary stay whole; tp > 1 shards over dp with fsdp only "
         "(docs/planner.md, 'Tensor parallel')",
-        "  choose one with strategy.tp=N (strategy.zero=0, strategy.fsdp=false for N > 1)",
+        "  choose one with strategy.tp=N (strategy.zero=0 for N > 1; strategy.fsdp=true to "
+        "shard over dp)",
     ]
 
 

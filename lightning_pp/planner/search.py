@@ -675,9 +675,12 @@ def _splits(
 
 
 def _shardings(dp: int, space: SearchSpace, tp: int = 1) -> list[Sharding]:
-    """The shardings tried for ``dp`` replicas (only none for one replica, and with ``tp > 1``:
-    the rules refuse ``zero`` there, and ``fsdp`` with tp is not modelled here yet)."""
-    labels = [x for x in space.shardings if dp > 1 and tp == 1] or ["none"]
+    """The shardings tried for ``dp`` replicas: only none for one replica, and no ``zero`` with
+    ``tp > 1`` (the rules refuse it). ``fsdp`` with tp shards each tp rank's local tensors over
+    the replicas, so the state formulas hold on the tp shares' shapes as they stand."""
+    labels = [x for x in space.shardings if dp > 1 and (tp == 1 or not x.startswith("zero"))] or [
+        "none"
+    ]
     return [Sharding.parse(x, dp=dp, bucket_cap_mb=space.bucket_cap_mb) for x in labels]
 
 
