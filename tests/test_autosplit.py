@@ -249,6 +249,35 @@ def test_the_plain_model_still_runs_outside_a_stage():
     assert torch.equal(step(st.model, batch), step(plain, batch))
 
 
+def test_a_stage_calls_no_hook_of_its_ranks_other_stages():
+    """V placement at pp=2 (rank 0: stages 0 and 3, rank 1: stages 1 and 2): a stage's forward
+    still calls blocks it passes through or stops at, and the head's rank calls the embedding.
+    Those of the rank's OTHER stage are swapped for stand-ins while it runs, so their hooks
+    (FSDP2's lazy init and all-gather) fire only in their own stage; the model is put back."""
+    fn, split, step = model_fn("qwen2-tied")
+    ranks = [
+        StagedModel.build(fn, split=split, stages=s, num_stages=4, seed=SEED)
+        for s in ([0, 3], [1, 2])
+    ]
+    running: list[int] = []
+    calls: list[tuple[int, int]] = []  # (stage running, stage of the hooked module)
+    for st in ranks:
+        for c, stage in enumerate(st.stages):
+            for m in st.stage_modules(c):
+                m.register_forward_pre_hook(lambda *_, s=stage: calls.append((running[-1], s)))
+    before = [{n: id(m) for n, m in st.model.named_modules()} for st in ranks]
+    batch = lm_batch(3, 2, 6)
+    h = None
+    for st, c in ((ranks[0], 0), (ranks[1], 0), (ranks[1], 1), (ranks[0], 1)):
+        running.append(st.stages[c])
+        h = st.run(c, None if h is None else h.detach().requires_grad_(True), batch, step)
+    assert calls and all(run == owner for run, owner in calls), calls
+    assert [{n: id(m) for n, m in st.model.named_modules()} for st in ranks] == before
+    torch.manual_seed(SEED)
+    want = step(fn(), batch)
+    assert _rel(h.detach(), want.detach()) <= 1e-6
+
+
 def test_logs_of_the_last_stage_are_averaged_over_microbatches():
     """``self.log`` inside a split step: weighted by microbatch size like the loss; calls made
     on other stages (weight None) are dropped; non-scalars are refused."""

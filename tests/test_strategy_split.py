@@ -4,9 +4,9 @@ The modules (tests/scripts/split_common.py) hold an unmodified GPT-2 (tied head)
 RMSNorm, untied), Qwen2 (tied) or nanoGPT-style GPT and implement only ``training_step`` /
 ``validation_step`` / ``test_step`` / ``predict_step`` as for a plain Trainer. One 4-process
 torchrun job trains every configuration in sequence (pp 2 and 4, vpp 1 and 2, dp 1 and 2,
-1F1B / interleaved / zbv / zb-h1, accumulation, clipping, bf16-mixed, the model built in
-``configure_model`` or in ``__init__``, a checkpoint resharded on load); this process runs the
-plain references.
+1F1B / interleaved / zbv / zb-h1, FSDP2 per chunk under 1F1B and zbv, accumulation, clipping,
+bf16-mixed, the model built in ``configure_model`` or in ``__init__``, a checkpoint resharded on
+load); this process runs the plain references.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from lightning_pp.checkpoint.consolidate import consolidate_checkpoint  # noqa: 
 from lightning_pp.commands.cli import main as cli_main  # noqa: E402
 
 REL_TOL = 1e-5
-# One torchrun job (5 configurations, 4 processes) plus 4 plain references: about 2 minutes on
+# One torchrun job (7 configurations, 4 processes) plus 6 plain references: about 2 minutes on
 # an idle 2-core machine, several times that under load; the fixtures count against each test.
 pytestmark = pytest.mark.timeout(1200)
 GPT2, LLAMA = "model.transformer.h", "model.model.layers"
@@ -90,6 +90,20 @@ CONFIGS = [
         model="gpt2",
         split=GPT2,
         pp=2,
+        microbatches=2,
+        fsdp=True,
+        clip=0.5,
+    ),
+    # pp2 x dp2, FSDP2 per chunk under zbv (two chunks per rank, V placement): pp rank 1's
+    # first stage ends by calling its second stage's first block, pp rank 0's second stage
+    # passes its first stage's blocks through, and the tied embedding/head sit in both of its
+    # chunks (kept whole, all-reduced)
+    dict(
+        name="qwen2_pp2_dp2_fsdp_zbv",
+        model="qwen2-tied",
+        split=LLAMA,
+        pp=2,
+        schedule="zbv",
         microbatches=2,
         fsdp=True,
         clip=0.5,

@@ -32,9 +32,10 @@ Example (one rank, its stages ``[0, 4]`` of 8; see :class:`StagedModel`)::
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -436,6 +437,7 @@ class StagedModel:
         self.device = device
         self._shape = shape
         self._tied: list[TiedParameter] = []
+        self._stand_ins: dict[int, list[tuple[str, _Absent]]] = {}
 
     # construction ----------------------------------------------------------------------------
     @classmethod
@@ -499,22 +501,29 @@ class StagedModel:
     def _install(self, mine: set[int]) -> None:
         layout, model, twins = self.layout, self.model, self._shape.model
         self._slots: list[_BlockSlot] = []
+        # Stand-ins for this rank's own modules, used while ANOTHER local stage runs (_only)
+        self._stand_ins = {s: [] for s in mine}
         for i, name in enumerate(layout.blocks):
             slot = _BlockSlot(i, name, twins.get_submodule(name))
             self._slots.append(slot)
             stage = layout.stage_of(name)
+            assert stage is not None
+            absent = _Absent(name, stage, self._absent_block(slot, stage))
             if stage in mine:
                 block = model.get_submodule(name)
                 block.forward = self._block_forward(slot, block.forward)  # instance attribute
+                self._stand_ins[stage].append((name, absent))
             else:
-                self._replace(name, _Absent(name, stage, self._absent_block(slot, stage)))
+                self._replace(name, absent)
         for name, stage in layout.units.items():
             twin = twins.get_submodule(name)
+            absent = _Absent(name, stage, self._absent_unit(name, twin, stage))
             if stage in mine:
                 unit = model.get_submodule(name)
                 unit.forward = self._unit_forward(name, twin, unit.forward)
+                self._stand_ins[stage].append((name, absent))
             else:
-                self._replace(name, _Absent(name, stage, self._absent_unit(name, twin, stage)))
+                self._replace(name, absent)
         # A persistent buffer of a shared module is saved by the rank of stage 0 only, so the
         # ranks' state-dict keys stay a partition of the model's.
         if 0 not in mine:
@@ -524,13 +533,45 @@ class StagedModel:
                     n for n, _ in mod.named_buffers(recurse=False)
                 )
 
-    def _replace(self, name: str, new: nn.Module) -> None:
+    def _replace(self, name: str, new: nn.Module) -> nn.Module:
+        """Put ``new`` at ``name`` in the model; returns the module that was there."""
         parent_name, _, child = name.rpartition(".")
         parent = self.model.get_submodule(parent_name) if parent_name else self.model
+        old = parent.get_submodule(child)
         if isinstance(parent, nn.ModuleList):
             parent[int(child)] = new
         else:
             setattr(parent, child, new)
+        return old
+
+    @contextlib.contextmanager
+    def _only(self, stage: int) -> Iterator[None]:
+        """While ``stage`` runs, this rank's modules of its OTHER local stages (vpp > 1: V
+        placement holds stages r and 2p-1-r, a loop placement r and r+p) are swapped out of the
+        model for the stand-ins other ranks' modules already are, and put back afterwards.
+
+        Why: the stage's forward still *calls* those modules, through ``nn.Module.__call__``
+        (a block before its first one passes its input through; the next stage's first block
+        is where it stops), and ``__call__`` runs every hook registered on the module before
+        our ``forward`` can decline to compute. FSDP2 registers a pre-forward hook on each unit:
+        on the first call it lazily initialises the unit's state AS A ROOT and all-gathers its
+        parameters. With V placement, pp rank 1's first stage ends by calling its second stage's
+        first block, so that block became an FSDP2 root of its own, and the second chunk's
+        first forward then failed ("FSDP state has already been lazily initialized for
+        owned.0"); a block passed through by a later local stage had its FSDP2 (or tensor-
+        parallel, or user) hooks run on phantoms, in another chunk's forward. With the swap a
+        stage sees exactly the modules it runs, whatever the placement, and the hooks of a
+        module fire only in its own stage's forward. The current module is read at each swap,
+        so a module replaced after staging is put back as found."""
+        swaps = [x for s, xs in self._stand_ins.items() if s != stage for x in xs]
+        held: list[tuple[str, nn.Module]] = []
+        try:
+            for name, absent in swaps:
+                held.append((name, self._replace(name, absent)))
+            yield
+        finally:
+            for name, module in reversed(held):
+                self._replace(name, module)
 
     # module behaviours -----------------------------------------------------------------------
     def _block_forward(self, slot: _BlockSlot, real: Callable[..., Any]) -> Callable[..., Any]:
@@ -584,7 +625,9 @@ class StagedModel:
             run = _ACTIVE.get()
             if run is None:
                 return real(*args, **kwargs)
-            if name not in run.units:  # held by this rank, but for another of its stages
+            # held by this rank for another of its stages: _only swaps it out while that stage
+            # is not running, so only a module reachable under a second name gets here
+            if name not in run.units:
                 return _phantom_run(twin, name, run.device, args, kwargs)
             _check_real(f"`{name}`", run.stage, args, kwargs)
             return real(*args, **kwargs)
@@ -624,7 +667,8 @@ class StagedModel:
         run = _Run(stage, self.layout.ranges[stage], units, activation, last, self.device)
         token = _ACTIVE.set(run)
         try:
-            out = step(self.model, microbatch)
+            with self._only(stage):
+                out = step(self.model, microbatch)
         except _StageExit as e:
             return e.hidden
         finally:
