@@ -4,9 +4,9 @@ The modules (tests/scripts/split_common.py) hold an unmodified GPT-2 (tied head)
 RMSNorm, untied), Qwen2 (tied) or nanoGPT-style GPT and implement only ``training_step`` /
 ``validation_step`` / ``test_step`` / ``predict_step`` as for a plain Trainer. One 4-process
 torchrun job trains every configuration in sequence (pp 2 and 4, vpp 1 and 2, dp 1 and 2,
-1F1B / interleaved / zbv / zb-h1, FSDP2 per chunk under 1F1B and zbv, accumulation, clipping,
-bf16-mixed, the model built in ``configure_model`` or in ``__init__``, a checkpoint resharded on
-load); this process runs the plain references.
+1F1B / interleaved / zbv / zb-h1, FSDP2 per chunk under 1F1B, interleaved and zbv, accumulation,
+clipping, bf16-mixed, the model built in ``configure_model`` or in ``__init__``, a checkpoint
+resharded on load); this process runs the plain references.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from lightning_pp.checkpoint.consolidate import consolidate_checkpoint  # noqa: 
 from lightning_pp.commands.cli import main as cli_main  # noqa: E402
 
 REL_TOL = 1e-5
-# One torchrun job (7 configurations, 4 processes) plus 6 plain references: about 2 minutes on
+# One torchrun job (8 configurations, 4 processes) plus 7 plain references: about 2 minutes on
 # an idle 2-core machine, several times that under load; the fixtures count against each test.
 pytestmark = pytest.mark.timeout(1200)
 GPT2, LLAMA = "model.transformer.h", "model.model.layers"
