@@ -14,6 +14,10 @@ gradient norm).
   pp2 x dp2 x tp2 under fsdp, resumed there, at tp2 without fsdp, at fsdp x dp4 and plain.
 * fsdp x tp: FSDP2 over each tensor-parallel shard (2-D placements) at pp2 x dp2 x tp2 under
   1f1b (the tie across ranks) and zbv (the tie on one rank, left whole by FSDP2).
+* Sequence parallelism (``DecoderLM(sequence_parallel=True)``) at pp2 x tp2 (1f1b, zbv) and
+  under fsdp at pp2 x dp2 x tp2 (zbv): equal to the reference, every layer's input measured at
+  ``T / tp`` positions; an uneven length refused.
+* The planner's per-rank state bytes on the tp-local shapes against the measured ones (2 %).
 * The rules: the world, the sharding, the plan settings and the model's sizes are refused with
   the numbers named, before any process group exists.
 """
@@ -47,6 +51,10 @@ TP2 = {"pp": 2, "tp": 2, "microbatches": 4, "accumulate": 1, "model": "decoder"}
 WORLD4 = [
     {"name": "tp2_1f1b", **TP2},
     {"name": "tp2_zbv", **TP2, "schedule": "zbv"},
+    # sequence parallelism: the residual stream, the norms and the P2P messages cut along the
+    # sequence over tp (DecoderLM(sequence_parallel=True)); the tie across ranks, then on one
+    {"name": "tp2_sp_1f1b", **TP2, "model": "decoder-sp"},
+    {"name": "tp2_sp_zbv", **TP2, "model": "decoder-sp", "schedule": "zbv"},
 ]
 # last (it patches the strategy while it runs): replicated weights counted on every tp rank
 PLANTED = {"name": "tp2_norm_planted", **TP2, "plant": "tp_norm_everywhere"}
@@ -56,6 +64,9 @@ WORLD8 = [
     # _StridedShard over dp), the tie across ranks (1f1b) and on one rank, left whole (zbv)
     {"name": "tp2_dp2_fsdp_1f1b", **TP2, "fsdp": True},
     {"name": "tp2_dp2_fsdp_zbv", **TP2, "fsdp": True, "schedule": "zbv"},
+    # sequence parallelism under FSDP2: a norm's weight is Replicate over tp (its gradient
+    # partial until summed) and Shard over dp
+    {"name": "tp2_dp2_sp_fsdp_zbv", **TP2, "model": "decoder-sp", "fsdp": True, "schedule": "zbv"},
 ]
 HF = {"split": "model.model.layers", "pp": 2, "microbatches": 4, "clip": 1.0}
 ATTENTION_ONLY = {
@@ -132,6 +143,26 @@ def test_each_rank_allocates_one_tp_th_of_its_sharded_weights(runs, cfg):
     left_whole = [d["rank"] for d in runs[cfg["name"]] if d["sharding"]["whole_tp_bytes"]]
     # zbv's first pipeline rank (ranks 0-3 of pp2 x dp2 x tp2) holds the tie in two chunks
     assert left_whole == ([0, 1, 2, 3] if cfg.get("fsdp") and cfg.get("schedule") else [])
+
+
+@pytest.mark.parametrize(
+    "sp,plain",
+    [
+        ("tp2_sp_1f1b", "tp2_1f1b"),
+        ("tp2_sp_zbv", "tp2_zbv"),
+        ("tp2_dp2_sp_fsdp_zbv", "tp2_dp2_fsdp_zbv"),
+    ],
+)
+def test_sequence_parallel_cuts_every_stage_boundary_along_the_sequence(runs, sp, plain):
+    """Measured at each layer's input during training: under sequence parallelism every block
+    and the head get ``T / tp`` positions (what the previous layer, or the previous stage's
+    P2P message, handed over), the embedding the whole batch of tokens; without it, ``T``."""
+    for a, b in zip(runs[sp], runs[plain]):
+        assert a["layer_inputs"].keys() == b["layer_inputs"].keys() and a["layer_inputs"]
+        for index, shape in a["layer_inputs"].items():
+            whole = b["layer_inputs"][index]
+            assert shape[0] == whole[0] and shape[2:] == whole[2:], (sp, index, shape, whole)
+            assert shape[1] * 2 == whole[1], (sp, a["rank"], index, shape, whole)
 
 
 @pytest.mark.parametrize("name", ["tp2_1f1b", "tp2_dp2_interleaved", "tp2_dp2_fsdp_1f1b"])
@@ -494,3 +525,13 @@ def test_decoder_heads_must_divide_by_tp():
     model.configure_model()
     with pytest.raises(ValueError, match=r"n_head\(2\) is not divisible by tp\(4\)"):
         model.pipeline_tensor_parallel(model.layers[1], 1, Mesh())
+
+
+def test_sequence_parallel_refuses_a_length_tp_does_not_divide():
+    """An uneven cut of the sequence would make the tp ranks' collectives disagree on their
+    sizes (gloo aborts mid-step, NCCL may hang): refused at the embedding, with the numbers."""
+    from lightning_pp.models.decoder import check_sequence_length
+
+    check_sequence_length(torch.zeros(2, 12, dtype=torch.long), 4)
+    with pytest.raises(ValueError, match=r"sequence length 10 .* \(10 % 4 = 2\)"):
+        check_sequence_length(torch.zeros(2, 10, dtype=torch.long), 4)

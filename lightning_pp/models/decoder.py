@@ -15,6 +15,12 @@ projection, the layout Megatron, torchtitan and Hugging Face's Llama shard:
   its logits gathered, so both copies of the tied weight are cut the same way (``Shard(0)``);
 * LayerNorms and the position embedding stay whole on every rank.
 
+With ``DecoderLM(sequence_parallel=True)`` (Megatron's sequence parallelism) the activations
+between those regions (the residual stream, the LayerNorms, the stage boundary) are cut along
+the sequence over the tp ranks instead of replicated: each holds ``T / tp`` positions, so every
+P2P message and the boundary activations a stage keeps shrink by ``tp``; the all-reduce after
+each row-wise projection becomes a reduce-scatter, and each norm's output is all-gathered once.
+
 Example:
     >>> import torch
     >>> model = DecoderLM(vocab_size=32, n_layer=2, n_head=2, n_embd=16, block_size=8)
@@ -85,6 +91,43 @@ class DecoderLM(GPT):
 
     block_class = DecoderBlock
 
+    def __init__(
+        self,
+        vocab_size: int = 256,
+        n_layer: int = 4,
+        n_head: int = 4,
+        n_embd: int = 64,
+        block_size: int = 64,
+        dropout: float = 0.0,
+        lr: float = 3e-3,
+        weight_decay: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.95),
+        warmup_steps: int = 10,
+        max_steps: int = 1000,
+        min_lr_ratio: float = 0.1,
+        seed: int = 0,
+        sequence_parallel: bool = False,
+    ) -> None:
+        """GPT's arguments (spelled out, so that configs are checked against them), and
+        ``sequence_parallel``: under ``tp > 1``, keep the activations between the tensor-parallel
+        regions cut along the sequence (see the module docstring); no effect at ``tp = 1``."""
+        super().__init__(
+            vocab_size=vocab_size,
+            n_layer=n_layer,
+            n_head=n_head,
+            n_embd=n_embd,
+            block_size=block_size,
+            dropout=dropout,
+            lr=lr,
+            weight_decay=weight_decay,
+            betas=betas,
+            warmup_steps=warmup_steps,
+            max_steps=max_steps,
+            min_lr_ratio=min_lr_ratio,
+            seed=seed,
+        )
+        self.save_hyperparameters()
+
     def pipeline_tensor_parallel(self, layer: nn.Module, index: int, tp_mesh: Any) -> None:
         from torch.distributed.tensor import Replicate
         from torch.distributed.tensor.parallel import (
@@ -99,6 +142,9 @@ class DecoderLM(GPT):
                 f"{type(self).__name__}: n_head({heads}) is not divisible by tp({tp}); each "
                 f"tensor-parallel rank computes n_head / tp whole heads"
             )
+        if self.hparams.get("sequence_parallel", False):
+            _sequence_parallel(layer, index, tp_mesh)
+            return
         if isinstance(layer, Embedding):
             plan: dict[str, Any] = {"wte": RowwiseParallel(input_layouts=Replicate())}
         elif isinstance(layer, DecoderBlock):
@@ -109,3 +155,85 @@ class DecoderLM(GPT):
         else:
             raise TypeError(f"layer {index} is a {type(layer).__name__}: no tensor-parallel plan")
         parallelize_module(layer, tp_mesh, plan)
+
+
+def check_sequence_length(tokens: Tensor, tp: int) -> None:
+    """Sequence parallelism cuts the ``T`` positions of a batch into ``tp`` equal parts; an
+    uneven cut makes the tp ranks' collectives disagree on their sizes (gloo aborts on the size
+    mismatch, NCCL may hang), so it is refused before the first one, naming the numbers.
+
+    Example:
+        >>> import torch
+        >>> check_sequence_length(torch.zeros(2, 8, dtype=torch.long), 2)
+        >>> check_sequence_length(torch.zeros(2, 7, dtype=torch.long), 2)
+        Traceback (most recent call last):
+        ...
+        ValueError: DecoderLM(sequence_parallel=True) at tp=2: a batch of sequence length 7 ...
+    """
+    length = tokens.shape[1]
+    if length % tp:
+        raise ValueError(
+            f"DecoderLM(sequence_parallel=True) at tp={tp}: a batch of sequence length {length} "
+            f"does not split into {tp} equal parts ({length} % {tp} = {length % tp}); pad or "
+            f"crop the batches to a multiple of {tp}, or use sequence_parallel=False"
+        )
+
+
+def _sequence_parallel(layer: nn.Module, index: int, tp_mesh: Any) -> None:
+    """Megatron's sequence parallelism on one layer (Korthikanti et al., 2022, "Reducing
+    Activation Recomputation in Large Transformer Models", section 4.2.2), with torch's styles.
+
+    Between the tensor-parallel regions (the LayerNorms, the residual stream, the stage
+    boundary) each tp rank holds ``T / tp`` positions of the sequence (``Shard(1)``), so those
+    activations and every P2P message shrink by ``tp``. Entering a region, the norm's output is
+    all-gathered along the sequence once (its ``DTensor`` kept, so the three projections' input
+    gradients add up as partial sums and leave through one reduce-scatter); leaving it, the
+    row-wise projection reduce-scatters along the sequence instead of all-reducing. The
+    embedding's output (token rows all-reduced, plus the whole position table) is cut to the
+    rank's positions; the head all-gathers them back for the logits, which stay whole.
+    LayerNorm weights are ``Replicate`` over tp: their gradients come out partial (each rank saw
+    its positions) and are summed by the strategy before the step.
+    """
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleOutput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    def gathered() -> PrepareModuleOutput:  # a norm's output, whole along the sequence
+        return PrepareModuleOutput(
+            output_layouts=Shard(1), desired_output_layouts=Replicate(), use_local_output=False
+        )
+
+    def norm() -> SequenceParallel:
+        return SequenceParallel(use_local_output=False)
+
+    if isinstance(layer, Embedding):
+        tp = tp_mesh.size()
+        if isinstance(tp_mesh, DeviceMesh):  # not the planner's stand-in, which only records
+            layer.register_forward_pre_hook(lambda _m, args: check_sequence_length(args[0], tp))
+        parallelize_module(layer, tp_mesh, {"wte": RowwiseParallel(input_layouts=Replicate())})
+        cut = PrepareModuleOutput(
+            output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=True
+        )
+        parallelize_module(layer, tp_mesh, cut)
+    elif isinstance(layer, DecoderBlock):
+        plan: dict[str, Any] = {name: ColwiseParallel() for name in ("q", "k", "v", "fc")}
+        plan.update(
+            proj=RowwiseParallel(output_layouts=Shard(1)),
+            fc_proj=RowwiseParallel(output_layouts=Shard(1)),
+            ln_1=norm(),
+            ln_2=norm(),
+        )
+        parallelize_module(layer, tp_mesh, plan)
+        parallelize_module(layer, tp_mesh, {"ln_1": gathered(), "ln_2": gathered()})
+    elif isinstance(layer, Head):
+        plan = {"ln_f": norm(), "head": ColwiseParallel(output_layouts=Replicate())}
+        parallelize_module(layer, tp_mesh, plan)
+        parallelize_module(layer, tp_mesh, {"ln_f": gathered()})
+    else:
+        raise TypeError(f"layer {index} is a {type(layer).__name__}: no tensor-parallel plan")

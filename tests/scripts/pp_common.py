@@ -6,6 +6,7 @@ single-process reference differ only in the strategy.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -35,7 +36,12 @@ MODEL_KW = dict(
 STEPS = 10  # optimizer steps per run
 #: the models a configuration's ``"model"`` names: GPT (fused qkv), and the same GPT with
 #: separate q/k/v projections that tensor parallelism can shard (lightning_pp.models.decoder)
-MODELS = {"gpt": GPT, "decoder": DecoderLM}
+MODELS = {
+    "gpt": GPT,
+    "decoder": DecoderLM,
+    # the same model with sequence parallelism under tp (no effect at tp=1: same reference)
+    "decoder-sp": functools.partial(DecoderLM, sequence_parallel=True),
+}
 
 
 def make_model(name: str = "gpt") -> L.LightningModule:

@@ -146,6 +146,27 @@ class _DpGroupProbe(Callback):
         strategy_dp_group[0] = trainer.strategy.groups.dp_group
 
 
+class _LayerInputProbe(Callback):
+    """The shape of the first floating input each of this rank's layers gets in training: a
+    stage's first layer gets what the previous stage sent (its P2P message)."""
+
+    def __init__(self) -> None:
+        self.shapes: dict[int, list[int]] = {}
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        for index in pl_module.layers.built_indices:
+            layer = pl_module.layers.get_submodule(str(index))
+            layer.register_forward_pre_hook(self._hook(index))
+
+    def _hook(self, index: int):
+        def hook(_module, args) -> None:
+            x = args[0] if args else None
+            if index not in self.shapes and torch.is_tensor(x) and x.is_floating_point():
+                self.shapes[index] = list(x.shape)
+
+        return hook
+
+
 def _plant_tp_norm_everywhere() -> None:
     """Planted bug (torchtitan#596): the clipping's norm counts a weight replicated over the tp
     ranks (a LayerNorm) on every tp rank instead of once."""
@@ -240,7 +261,7 @@ def run(cfg: dict, devices: int, out: str) -> None:
     strategy._clip = recorded_clip
     world = int(os.environ.get("WORLD_SIZE", devices))
     dp = world // (cfg["pp"] * cfg.get("tp", 1))
-    rec, probe = Recorder(), SyncProbe()
+    rec, probe, inputs = Recorder(), SyncProbe(), _LayerInputProbe()
     # what each rank holds after the last step, measured from the tensors
     held = ModelStateMemoryMonitor(every_n_steps=STEPS)
     extra = []
@@ -252,7 +273,7 @@ def run(cfg: dict, devices: int, out: str) -> None:
         devices,
         cfg["accumulate"],
         os.path.join(out, f"ckpt_{name}"),
-        [rec, probe, held, *extra, _DpGroupProbe()],
+        [rec, probe, held, inputs, *extra, _DpGroupProbe()],
         precision=cfg.get("precision", "32-true"),
         num_nodes=max(1, world // devices),
     )
@@ -288,6 +309,7 @@ def run(cfg: dict, devices: int, out: str) -> None:
             "val": rec.val,
             "best": os.path.basename(trainer.checkpoint_callback.best_model_path),
             "local_layers": local_layers,
+            "layer_inputs": {str(i): shape for i, shape in inputs.shapes.items()},
             "expected_layers": strategy.placement.local_indices(strategy.topology.pp_rank),
             "layer_ranges": [[r.start, r.stop] for r in strategy.layer_ranges],
             "param_count": sum(p.numel() for p in params),
