@@ -49,11 +49,11 @@ RESHARD_TOL = 1e-6
 
 TP2 = {"pp": 2, "tp": 2, "microbatches": 4, "accumulate": 1, "model": "decoder"}
 WORLD4 = [
-    {"name": "tp2_1f1b", **TP2},
+    {"name": "tp2_1f1b", **TP2, "memory": True},
     {"name": "tp2_zbv", **TP2, "schedule": "zbv"},
     # sequence parallelism: the residual stream, the norms and the P2P messages cut along the
     # sequence over tp (DecoderLM(sequence_parallel=True)); the tie across ranks, then on one
-    {"name": "tp2_sp_1f1b", **TP2, "model": "decoder-sp"},
+    {"name": "tp2_sp_1f1b", **TP2, "model": "decoder-sp", "memory": True},
     {"name": "tp2_sp_zbv", **TP2, "model": "decoder-sp", "schedule": "zbv"},
 ]
 # last (it patches the strategy while it runs): replicated weights counted on every tp rank
@@ -163,6 +163,19 @@ def test_sequence_parallel_cuts_every_stage_boundary_along_the_sequence(runs, sp
             whole = b["layer_inputs"][index]
             assert shape[0] == whole[0] and shape[2:] == whole[2:], (sp, index, shape, whole)
             assert shape[1] * 2 == whole[1], (sp, a["rank"], index, shape, whole)
+
+
+def test_sequence_parallel_saves_less_for_backward(runs):
+    """ActivationMemoryMonitor (autograd's saved tensors, counted from their storages; a
+    DTensor by its local part) on the last step: each rank of the sequence-parallel run saves
+    less than the same rank without it (the norms' inputs, the residual stream and the stage
+    boundary are T / tp positions); both are measured, so neither can be zero."""
+    for a, b in zip(runs["tp2_sp_1f1b"], runs["tp2_1f1b"]):
+        assert 0 < a["saved_bytes"] < b["saved_bytes"], (
+            a["rank"],
+            a["saved_bytes"],
+            b["saved_bytes"],
+        )
 
 
 @pytest.mark.parametrize("name", ["tp2_1f1b", "tp2_dp2_interleaved", "tp2_dp2_fsdp_1f1b"])

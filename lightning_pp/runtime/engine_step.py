@@ -27,6 +27,7 @@ import torch
 
 from ..layout.topology import PipelineTopology
 from ..schedules import Action, Op, Schedule
+from .dtensor_state import local_part
 from .microbatch import batch_size_of, split_microbatches
 from .p2p_order import message_order
 from .p2p_wire import ACT, GRAD, Message, PendingRecv, RecvRequest, SendQueue, Spec, format_specs
@@ -584,7 +585,10 @@ class StepRun:
 
     def _saved_key(self, t: torch.Tensor) -> tuple[Any, int] | None:
         """How the memory meter counts a tensor autograd saves: ``(key, bytes)`` of the storage
-        it keeps alive (shared storages once per key), ``None`` for a parameter."""
+        it keeps alive (shared storages once per key), ``None`` for a parameter. A ``DTensor``
+        (tensor parallelism) keeps its local part alive: its own wrapper has no valid storage
+        (reading its data pointer raised mid-forward)."""
+        t = local_part(t)
         st = t.untyped_storage()
         ptr = st.data_ptr()
         if ptr in self._batch_storages:

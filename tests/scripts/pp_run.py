@@ -36,7 +36,11 @@ from pp_common import (  # noqa: E402
 )
 
 from lightning_pp import PipelineStrategy  # noqa: E402
-from lightning_pp.callbacks import ModelStateMemoryMonitor, PipelineTimeline  # noqa: E402
+from lightning_pp.callbacks import (  # noqa: E402
+    ActivationMemoryMonitor,
+    ModelStateMemoryMonitor,
+    PipelineTimeline,
+)
 from lightning_pp.runtime.dtensor_state import local_part  # noqa: E402
 from lightning_pp.schedules import Op  # noqa: E402
 
@@ -268,6 +272,9 @@ def run(cfg: dict, devices: int, out: str) -> None:
     if cfg.get("timeline"):  # the last step's trace, with the data-parallel launches
         where = os.path.join(out, f"timeline_{name}")
         extra.append(PipelineTimeline(every_n_steps=STEPS, dirpath=where, png=False))
+    activations = ActivationMemoryMonitor(every_n_steps=STEPS) if cfg.get("memory") else None
+    if activations is not None:  # the last step's peak saved for backward, from the tensors
+        extra.append(activations)
     trainer = make_trainer(
         strategy,
         devices,
@@ -310,6 +317,7 @@ def run(cfg: dict, devices: int, out: str) -> None:
             "best": os.path.basename(trainer.checkpoint_callback.best_model_path),
             "local_layers": local_layers,
             "layer_inputs": {str(i): shape for i, shape in inputs.shapes.items()},
+            "saved_bytes": activations.last_stats[rank].saved_bytes if activations else None,
             "expected_layers": strategy.placement.local_indices(strategy.topology.pp_rank),
             "layer_ranges": [[r.start, r.stop] for r in strategy.layer_ranges],
             "param_count": sum(p.numel() for p in params),
