@@ -89,6 +89,8 @@ class Variant:
     name: str
     pp: int
     tp: int
+    #: DecoderLM(sequence_parallel=True): activations between the tp regions cut along T
+    sp: bool = False
 
     @property
     def dp(self) -> int:
@@ -96,7 +98,13 @@ class Variant:
 
 
 VARIANTS = {
-    v.name: v for v in (Variant("pp4", 4, 1), Variant("pp2-dp2", 2, 1), Variant("pp2-tp2", 2, 2))
+    v.name: v
+    for v in (
+        Variant("pp4", 4, 1),
+        Variant("pp2-dp2", 2, 1),
+        Variant("pp2-tp2", 2, 2),
+        Variant("pp2-tp2-sp", 2, 2, sp=True),
+    )
 }
 
 
@@ -116,10 +124,11 @@ class Spec:
 # --------------------------------------------------------------------------------------------
 
 
-def make_model(size: dict[str, Any], max_steps: int) -> Any:
+def make_model(size: dict[str, Any], max_steps: int, sequence_parallel: bool = False) -> Any:
     from lightning_pp.models.decoder import DecoderLM
 
     return DecoderLM(
+        sequence_parallel=sequence_parallel,
         vocab_size=size["vocab"],
         n_layer=size["n_layer"],
         n_head=size["n_head"],
@@ -274,6 +283,8 @@ class StepClock(_clock_base()):  # type: ignore[misc]
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         import torch.distributed as dist
 
+        # the first (warm-up, untimed) step also counts what autograd saves, from the tensors
+        trainer.strategy.engine.measure_memory = batch_idx == 0
         dist.barrier()
         COUNTERS.reset()
         self._t0 = time.perf_counter()
@@ -292,6 +303,10 @@ class StepClock(_clock_base()):  # type: ignore[misc]
                 "coll_n": c.coll_n,
                 "coll_bytes": c.coll_bytes,
                 "coll_kinds": dict(c.coll_kinds),
+                # peak bytes autograd saved for backward in this step (measured steps only)
+                "saved_bytes": trainer.strategy.last_record.peak_saved_bytes
+                if batch_idx == 0
+                else None,
             }
         )
 
@@ -307,7 +322,7 @@ def run_variant(v: Variant, spec: Spec, steps: int) -> list[dict[str, Any]]:
     clock = StepClock()
     strategy = PipelineStrategy(pp=v.pp, tp=v.tp, microbatches=MICROBATCHES, schedule="1f1b")
     trainer = make_trainer(strategy, WORLD, steps, [clock])
-    trainer.fit(make_model(spec.size, steps), make_data(spec.size, steps, v.dp))
+    trainer.fit(make_model(spec.size, steps, v.sp), make_data(spec.size, steps, v.dp))
     return clock.rows
 
 
@@ -376,7 +391,7 @@ def expected_p2p_bytes(v: Variant, size: dict[str, Any]) -> int:
     """From the shapes: each stage boundary, each of its ``dp x tp`` senders, ``m`` microbatches,
     an activation forward and its gradient backward of ``mb x T x C`` fp32 values."""
     mb = size["batch"] // (v.dp * MICROBATCHES)
-    msg = mb * size["seq"] * size["n_embd"] * 4
+    msg = mb * size["seq"] * size["n_embd"] * 4 // (v.tp if v.sp else 1)
     return (v.pp - 1) * v.dp * v.tp * MICROBATCHES * 2 * msg
 
 
@@ -408,6 +423,12 @@ def summarize(ranks: list[dict], spec: Spec, ref: list[float], tol: float) -> di
                     }
                 )
         errs = [abs(a - b) / abs(b) for run in losses for a, b in zip(run, ref)]
+        # per run, the first step's peak saved bytes of the heaviest rank (from the tensors)
+        saved = [
+            max(r["runs"][i]["rows"][0]["saved_bytes"] or 0 for r in ranks)
+            for i, run in enumerate(ranks[0]["runs"])
+            if run["variant"] == v.name
+        ]
 
         def med(key: str, steps: list[dict[str, Any]] = steps) -> float:
             return statistics.median(s[key] for s in steps)
@@ -426,6 +447,7 @@ def summarize(ranks: list[dict], spec: Spec, ref: list[float], tol: float) -> di
             "tp_coll_calls": med("coll_n"),
             "tp_coll_bytes": med("coll_bytes"),
             "tp_coll_kinds": steps[0]["coll_kinds"] if steps else {},
+            "saved_bytes_max_rank": max(saved) if saved else None,
             "loss_rel_err_max": max(errs) if errs else None,
             "check": "ok" if errs and max(errs) <= tol else f"DIFFERS (> {tol:g})",
         }
@@ -468,8 +490,8 @@ def to_markdown(result: dict[str, Any]) -> str:
         "",
         "| variant | pp x dp x tp | step ms (median) | P2P bytes / step (counted) | "
         "from shapes | P2P sends / step | tp collective ms / step (mean rank; max rank) | "
-        "tp collectives / step (bytes) | loss vs 1 process |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "tp collectives / step (bytes) | saved for backward, heaviest rank | loss vs 1 process |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in s.items():
         kinds = ", ".join(f"{k} {v:g}" for k, v in sorted(r["tp_coll_kinds"].items()))
@@ -479,6 +501,7 @@ def to_markdown(result: dict[str, Any]) -> str:
             f"{r['p2p_sends']:.0f} | {r['tp_coll_ms']:.1f}; {r['tp_coll_ms_max_rank']:.1f} | "
             f"{r['tp_coll_calls']:.0f} ({_mib(r['tp_coll_bytes'])})"
             f"{f': {kinds}' if kinds else ''} | "
+            f"{_mib(r['saved_bytes_max_rank'] or 0)} | "
             f"{r['loss_rel_err_max']:.1e} {r['check']} |"
         )
     lines += [
