@@ -189,8 +189,9 @@ def _sequence_parallel(layer: nn.Module, index: int, tp_mesh: Any) -> None:
     all-gathered along the sequence once (its ``DTensor`` kept, so the three projections' input
     gradients add up as partial sums and leave through one reduce-scatter); leaving it, the
     row-wise projection reduce-scatters along the sequence instead of all-reducing. The
-    embedding's output (token rows all-reduced, plus the whole position table) is cut to the
-    rank's positions; the head all-gathers them back for the logits, which stay whole.
+    vocabulary-parallel embedding reduce-scatters its rows along the sequence too, and the
+    position table's output is cut to the same positions; the head all-gathers them back for
+    the logits, which stay whole.
     LayerNorm weights are ``Replicate`` over tp: their gradients come out partial (each rank saw
     its positions) and are summed by the strategy before the step.
     """
@@ -216,13 +217,18 @@ def _sequence_parallel(layer: nn.Module, index: int, tp_mesh: Any) -> None:
         tp = tp_mesh.size()
         if isinstance(tp_mesh, DeviceMesh):  # not the planner's stand-in, which only records
             layer.register_forward_pre_hook(lambda _m, args: check_sequence_length(args[0], tp))
-        parallelize_module(layer, tp_mesh, {"wte": RowwiseParallel(input_layouts=Replicate())})
-        cut = PrepareModuleOutput(
-            output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=True
+        # the token rows' partial sums reduce-scattered along the sequence (half an
+        # all-reduce's bytes), and the position table's rows cut to the same positions
+        rows = PrepareModuleOutput(
+            output_layouts=Replicate(), desired_output_layouts=Shard(0), use_local_output=True
         )
-        parallelize_module(layer, tp_mesh, cut)
+        plan: dict[str, Any] = {
+            "wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "wpe": rows,
+        }
+        parallelize_module(layer, tp_mesh, plan)
     elif isinstance(layer, DecoderBlock):
-        plan: dict[str, Any] = {name: ColwiseParallel() for name in ("q", "k", "v", "fc")}
+        plan = {name: ColwiseParallel() for name in ("q", "k", "v", "fc")}
         plan.update(
             proj=RowwiseParallel(output_layouts=Shard(1)),
             fc_proj=RowwiseParallel(output_layouts=Shard(1)),
