@@ -167,6 +167,39 @@ def test_tp_shares_and_collectives_of_each_layer():
     assert bwd == pytest.approx(2 * fwd)
 
 
+def test_sequence_parallelism_cuts_the_boundary_the_planner_counts(capsys):
+    """DecoderLM(sequence_parallel=True): the styles read from its hook say which layers'
+    inputs and outputs hold T / tp positions (the embedding's output, each block's input and
+    output, the head's input; not the tokens, not the logits), as the runtime measured them
+    (tests/test_tensor_parallel.py); a profiled layer's boundary and input then shrink by tp,
+    and `plan` halves the P2P buffers at tp 2."""
+    from lightning_pp.planner.tensor_parallel import sequence_cuts
+
+    model = _model(sequence_parallel=True)
+    layers = meta_layers(model)
+    styles = record_tp_styles(model, layers, 2)
+    assert sequence_cuts(styles) == [(False, True), (True, True), (True, True), (True, False)]
+    plain = _model()
+    assert not any(a or b for a, b in sequence_cuts(record_tp_styles(plain, layers, 2)))
+    x0 = torch.randint(0, V, (1, T), device="meta")
+    shares = tp_layers(layers, styles, x0, 2)
+    cost = LayerCost(t_f=1.0, t_i=1.0, t_w=1.0, params=100, boundary_bytes=64, input_bytes=64)
+    block = tp_layer_cost(cost, shares[1], samples=1, latency_s=0.0, bandwidth=1.0)
+    emb = tp_layer_cost(cost, shares[0], samples=1, latency_s=0.0, bandwidth=1.0)
+    assert (block.boundary_bytes, block.input_bytes) == (32, 32)
+    assert (emb.boundary_bytes, emb.input_bytes) == (32, 64)  # the tokens are not cut
+    buffers = {}
+    for sp in ("false", "true"):
+        code, out, err = _plan(
+            capsys, DEMO, DECODER, "strategy.tp=2", f"+model.init_args.sequence_parallel={sp}"
+        )
+        assert code == 0, err
+        table = out.split("--- memory per pipeline rank")[1]
+        buffers[sp] = [line.split()[11:13] for line in table.splitlines()[5:7]]  # buffers
+    for (size, unit), (half, half_unit) in zip(buffers["false"], buffers["true"]):
+        assert (size, unit) == ("1.00", "MiB") and (half, half_unit) == ("512.00", "KiB")
+
+
 def test_a_profiled_layer_on_one_tp_rank():
     cost = LayerCost(
         t_f=1.0, t_i=1.0, t_w=1.0, t_fused=1.8, saved_bytes=800, params=100, param_bytes=400,

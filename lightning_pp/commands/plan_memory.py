@@ -105,12 +105,17 @@ def _measure(
         meta_layer_costs,
         meta_layers,
     )
-    from lightning_pp.planner.tensor_parallel import local_layers, record_tp_styles
+    from lightning_pp.planner.tensor_parallel import (
+        cut_along_sequence,
+        local_layers,
+        record_tp_styles,
+    )
 
     if module is None or not callable(getattr(module, "pipeline_layers", None)):
         return None, None, "the model has no pipeline_layers() to measure"
     tp = plan.tp if tp is None else tp
     layers = meta_layers(module)
+    cut: list[Any] = []  # the tp styles: sequence parallelism cuts some inputs and outputs
     if tp > 1:
         styles = record_tp_styles(module, layers, tp)
         if styles is None:
@@ -123,6 +128,7 @@ def _measure(
                 ),
             )
         layers = local_layers(layers, styles, tp)
+        cut = list(styles)
     tensors: list[LayerTensors] = [layer_tensor_shapes(layer) for layer in layers]
     if plan.batch_size is None:
         return tensors, None, "no data.init_args.batch_size: the microbatch size is unknown"
@@ -131,6 +137,8 @@ def _measure(
     try:
         x0 = example_input(module, cfg.get("data"), size, instantiate)
         costs = meta_layer_costs([layer.to(dtype) for layer in layers], x0)
+        if cut:
+            costs = cut_along_sequence(costs, cut, tp)
     except Exception as err:  # a data module or layer that cannot run on meta: say which
         return tensors, None, f"{type(err).__name__}: {err}"
     how = f"microbatch of {size} sample(s), {str(dtype).split('.')[-1]}"

@@ -146,11 +146,15 @@ def model_tp_sizes(module: Any) -> TpSizes:
 
 @dataclass(frozen=True)
 class TpStyle:
-    """One module's tensor-parallel style: ``colwise`` or ``rowwise``; ``gathered``: a
-    column-wise output all-gathered back to whole (``output_layouts=Replicate()``)."""
+    """One module's tensor-parallel style: ``colwise``, ``rowwise`` or ``sequence`` (a norm
+    under sequence parallelism: torch's ``SequenceParallel``); ``gathered``: a column-wise
+    output all-gathered back to whole (``output_layouts=Replicate()``); ``seq_out``: a
+    row-wise output reduce-scattered along the sequence (``output_layouts=Shard(1)``), so what
+    leaves it holds ``T / tp`` positions."""
 
     kind: str
     gathered: bool = False
+    seq_out: bool = False
 
 
 class _StandInMesh:
@@ -166,15 +170,21 @@ class _StandInMesh:
 
 
 def _style_of(style: Any) -> TpStyle | None:
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+    )
 
+    layouts = getattr(style, "output_layouts", ())
+    layouts = layouts if isinstance(layouts, (tuple, list)) else (layouts,)
     if isinstance(style, ColwiseParallel):
-        layouts = getattr(style, "output_layouts", ())
-        layouts = layouts if isinstance(layouts, (tuple, list)) else (layouts,)
         return TpStyle("colwise", any(isinstance(p, Replicate) for p in layouts))
     if isinstance(style, RowwiseParallel):
-        return TpStyle("rowwise")
+        return TpStyle("rowwise", seq_out=any(isinstance(p, Shard) and p.dim == 1 for p in layouts))
+    if isinstance(style, SequenceParallel):
+        return TpStyle("sequence")
     return None
 
 
@@ -343,6 +353,10 @@ class TpLayer:
     fwd_all_reduce: tuple[int, ...] = ()
     bwd_all_reduce: tuple[int, ...] = ()
     all_gather: tuple[int, ...] = ()
+    #: sequence parallelism: the layer's input / output holds ``T / tp`` positions (see
+    #: :func:`sequence_cuts`)
+    input_cut: bool = False
+    output_cut: bool = False
 
     @property
     def param_ratio(self) -> float:
@@ -386,6 +400,11 @@ def _collective_bytes(
 
     def hook_for(mod: nn.Module, style: TpStyle) -> Any:
         def hook(_m: nn.Module, inputs: Any, out: Any) -> None:
+            if style.kind == "sequence":
+                # a norm's gather (and its reduce-scatter backward) is not counted; under
+                # sequence parallelism the projections' all-reduces counted here are each an
+                # all-gather and a reduce-scatter of the same bytes: an upper bound
+                return
             if style.kind == "rowwise":
                 fwd.append(nbytes(out))  # partial sums -> whole
                 return
@@ -435,10 +454,45 @@ def tp_layers(
         for h in hooks:
             h.remove()
     out = []
-    for layer, s, w, loc, args in zip(layers, styles, whole, local, inputs):
+    cuts = sequence_cuts(styles)
+    for layer, s, w, loc, args, cut in zip(layers, styles, whole, local, inputs, cuts):
         comm = _collective_bytes(layer, s, args) if tp > 1 else ((), (), ())
         ratio = loc.saved_bytes / w.saved_bytes if w.saved_bytes else 1.0
-        out.append(TpLayer(tp, loc.params, w.params, ratio, *comm))
+        out.append(TpLayer(tp, loc.params, w.params, ratio, *comm, *cut))
+    return out
+
+
+def sequence_cuts(styles: Sequence[Mapping[str, TpStyle]]) -> list[tuple[bool, bool]]:
+    """Per layer, whether its (input, output) holds ``T / tp`` positions under sequence
+    parallelism: its output does when one of its row-wise layers reduce-scatters along the
+    sequence (``TpStyle.seq_out``; the head, whose logits are gathered whole, has none); its
+    input does when the previous layer's output does (the first layer's are the tokens).
+
+    Example:
+        >>> row, seq = TpStyle("rowwise", seq_out=True), TpStyle("sequence")
+        >>> sequence_cuts([{"wte": row}, {"ln_1": seq, "proj": row}, {"ln_f": seq}])
+        [(False, True), (True, True), (True, False)]
+    """
+    outs = [any(st.seq_out for st in s.values()) for s in styles]
+    return [(i > 0 and outs[i - 1], out) for i, out in enumerate(outs)]
+
+
+def cut_along_sequence(
+    costs: Sequence[LayerCost], styles: Sequence[Mapping[str, TpStyle]], tp: int
+) -> list[LayerCost]:
+    """``costs`` (one tp rank's layers, measured with whole sequences) with the inputs and
+    outputs that sequence parallelism cuts (:func:`sequence_cuts`) at ``1 / tp``: the stage
+    boundary, every P2P message and the stashed stage inputs. The saved activations inside a
+    layer are left as measured (an upper bound: the norms' inputs shrink too)."""
+    out = []
+    for cost, (cut_in, cut_out) in zip(costs, sequence_cuts(styles)):
+        out.append(
+            dataclasses.replace(
+                cost,
+                input_bytes=-(-cost.input_bytes // tp) if cut_in else cost.input_bytes,
+                boundary_bytes=-(-cost.boundary_bytes // tp) if cut_out else cost.boundary_bytes,
+            )
+        )
     return out
 
 
@@ -447,7 +501,8 @@ def tp_layer_cost(
 ) -> LayerCost:
     """``cost`` (a profiled layer at ``samples`` per microbatch, measured whole) on one of
     ``t.tp`` ranks: parameters as held there; saved activations times the measured ratio (the
-    layer's input and output, the stage boundary, stay whole); compute times the parameter
+    layer's input and output, the stage boundary, stay whole, but for ``1 / tp`` of them where
+    sequence parallelism cuts them: ``t.input_cut``, ``t.output_cut``); compute times the parameter
     ratio (the sharded matmuls and attention dominate a transformer layer; the norms and
     residuals, which do not shrink, are counted as if they did, so this errs fast); plus the
     layer's tp collectives, forward ones on ``t_f``, backward ones on ``t_i`` and the fused
@@ -468,6 +523,8 @@ def tp_layer_cost(
         t_fused=None if cost.t_fused is None else cost.t_fused * r + bwd,
         params=t.params,
         param_bytes=round(cost.param_bytes * r),
+        input_bytes=-(-cost.input_bytes // t.tp) if t.input_cut else cost.input_bytes,
+        boundary_bytes=-(-cost.boundary_bytes // t.tp) if t.output_cut else cost.boundary_bytes,
         saved_bytes=round(cost.saved_bytes * s),
         shared_bytes=round(cost.shared_bytes * s),
         w_saved_bytes=scaled(cost.w_saved_bytes),
