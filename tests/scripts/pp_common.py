@@ -229,6 +229,29 @@ def mismatches(ranks: list[dict], ref: dict, tol: float) -> list[str]:
     return bad
 
 
+def state_bytes_off(plan: Any, shapes: list, ranks: list[dict], tol: float = 0.02) -> list[str]:
+    """The planner's per-rank state bytes (``planner.sharding.sharded_state_bytes`` of
+    ``plan`` on the layers' parameter ``shapes``) against what ``ModelStateMemoryMonitor``
+    measured from the tensors after the optimizer step (each rank's ``held``): every part
+    further than ``tol`` (relative) from its prediction, as ``rank r key: got vs predicted``."""
+    from lightning_pp.planner.sharding import sharded_state_bytes
+
+    off = []
+    for d in ranks:
+        want = sharded_state_bytes(plan, shapes, d["pp_rank"], dp_rank=d["dp_rank"], param_bytes=4)
+        predicted = {
+            "params": want.params_at_step,
+            "grads": want.grads_at_step,
+            "master": want.master,
+            "optimizer": want.optimizer,
+        }
+        for key, value in predicted.items():
+            got = d["held"][key]
+            if abs(got - value) > tol * max(got, value):
+                off.append(f"rank {d['rank']} {key}: {got} vs {value}")
+    return off
+
+
 def tensor_digest(t: torch.Tensor) -> str:
     raw = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)  # any dtype, bf16 too
     return hashlib.sha256(raw.numpy().tobytes()).hexdigest()
