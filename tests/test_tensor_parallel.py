@@ -289,6 +289,13 @@ def ckpt_runs(tmp_path_factory) -> Path:
     (out / "w").mkdir()
     argv = ["--out", str(out / "w"), "--phases", json.dumps(phases)]
     world("trainer", 4).run(script_main, "ckpt_run", argv, timeout=500)
+    _plain_phases(out, "tp_to_plain", tp5)
+    return out
+
+
+def _plain_phases(out: Path, name: str, resume: str) -> None:
+    """In this process: the plain Trainer's whole run (``plain_full``) and ``name``, a plain
+    Trainer resuming the pipelined checkpoint ``resume``."""
     from ckpt_run import run_phase
 
     torch.set_num_threads(1)
@@ -296,9 +303,8 @@ def ckpt_runs(tmp_path_factory) -> Path:
     run_phase(
         {"name": "plain_full", "pp": 0, "model": "decoder", "max_steps": 10}, str(out / "p"), 1
     )
-    plain = {"name": "tp_to_plain", "pp": 0, "model": "decoder", "max_steps": 10, "resume": tp5}
+    plain = {"name": name, "pp": 0, "model": "decoder", "max_steps": 10, "resume": resume}
     run_phase({**plain, "pipeline_io": True}, str(out / "p"), 1)
-    return out
 
 
 def _ck(out: Path, group: str, name: str, size: int) -> list[dict]:
@@ -376,15 +382,7 @@ def fsdp_ckpt_runs(tmp_path_factory) -> Path:
     (out / "w").mkdir()
     argv = ["--out", str(out / "w"), "--phases", json.dumps(phases)]
     world("trainer", 8).run(script_main, "ckpt_run", argv, timeout=500)
-    from ckpt_run import run_phase
-
-    torch.set_num_threads(1)
-    (out / "p").mkdir()
-    run_phase(
-        {"name": "plain_full", "pp": 0, "model": "decoder", "max_steps": 10}, str(out / "p"), 1
-    )
-    plain = {"name": "f_to_plain", "pp": 0, "model": "decoder", "max_steps": 10, "resume": step5}
-    run_phase({**plain, "pipeline_io": True}, str(out / "p"), 1)
+    _plain_phases(out, "f_to_plain", step5)
     return out
 
 
