@@ -249,6 +249,36 @@ def test_the_plain_model_still_runs_outside_a_stage():
     assert torch.equal(step(st.model, batch), step(plain, batch))
 
 
+def test_a_module_held_under_a_second_name_is_staged_under_both():
+    """A model that also keeps its last block as ``model.last`` (as some do, for convenience):
+    a rank without that block has no real copy of it under either name (no parameters of
+    another rank's block trained or saved here), and the rank with it finds it under both."""
+    fn, split, step = model_fn("qwen2-tied")
+
+    def aliased():
+        model = fn()
+        model.model.last = model.model.layers[-1]
+        return model
+
+    def staged(build, stages):
+        return StagedModel.build(build, split=split, stages=stages, num_stages=4, seed=SEED)
+
+    plain_first, first = staged(fn, [0]), staged(aliased, [0])
+    assert not isinstance(first.model.model.last, type(fn().model.layers[-1]))
+    count = lambda st: sum(p.numel() for p in st.model.parameters())  # noqa: E731
+    assert count(first) == count(plain_first)
+    assert first.model.state_dict().keys() == plain_first.model.state_dict().keys()
+    last = staged(aliased, [3])
+    assert last.model.model.last is last.model.model.layers[-1]
+    batch = lm_batch(3, 2, 6)
+    h = None
+    ranks = [staged(aliased, [s]) for s in range(3)] + [last]
+    for st in ranks:
+        h = st.run(0, None if h is None else h.detach().requires_grad_(True), batch, step)
+    torch.manual_seed(SEED)
+    assert _rel(h.detach(), step(aliased(), batch).detach()) <= 1e-6
+
+
 def test_a_stage_calls_no_hook_of_its_ranks_other_stages():
     """V placement at pp=2 (rank 0: stages 0 and 3, rank 1: stages 1 and 2): a stage's forward
     still calls blocks it passes through or stops at, and the head's rank calls the embedding.

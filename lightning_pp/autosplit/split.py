@@ -65,7 +65,8 @@ class SplitLayout:
     ``blocks``: the names of the repeated blocks in call order; ``ranges``: the block indices of
     each virtual stage; ``units``: every other parameterised submodule -> its stage (first or
     last); ``shared``: modules without parameters that hold buffers (rotary tables), real on
-    every rank.
+    every rank; ``aliases``: another name the model holds a block under (``model.last`` for
+    ``model.layers.7``) -> the block's name.
     """
 
     split: str
@@ -73,6 +74,7 @@ class SplitLayout:
     ranges: tuple[range, ...]
     units: dict[str, int]
     shared: tuple[str, ...]
+    aliases: dict[str, str] = field(default_factory=dict)
 
     @property
     def num_stages(self) -> int:
@@ -120,6 +122,8 @@ class SplitLayout:
             raise SplitError(f"ranges {list(ranges)} do not cover {len(blocks)} blocks in order")
         placement = dict(placement or {})
         order = _call_order(model, split, blocks)
+        block_of = {id(m): f"{split}.{n}" for n, m in container.named_children()}
+        aliases: dict[str, str] = {}
         units: dict[str, int] = {}
         shared: list[str] = []
         path = split.split(".")
@@ -141,6 +145,17 @@ class SplitLayout:
                 if name == path[depth]:
                     before = False
                     continue
+                if id(child) in block_of:
+                    # another name for a block: staged with it (StagedModel._places)
+                    aliases[full] = block_of[id(child)]
+                    continue
+                inner = [block_of[id(m)] for m in child.modules() if id(m) in block_of]
+                if inner:
+                    raise SplitError(
+                        f"`{full}` holds {', '.join(inner)}, a block of split={split!r}, too: "
+                        f"each module must sit on one pipeline stage, so a block cannot also be "
+                        f"part of another parameterised module; keep it only in {split!r}"
+                    )
                 if any(True for _ in child.parameters()):
                     # where the forward calls it (before the first block / after the last),
                     # else where it is registered
@@ -155,10 +170,14 @@ class SplitLayout:
                 f"placement names {sorted(placement)}, which are not parameterised siblings of "
                 f"the split path (candidates: {sorted(units)})"
             )
-        return cls(split, blocks, ranges, units, tuple(shared))
+        return cls(split, blocks, ranges, units, tuple(shared), aliases)
 
     def stage_of(self, name: str) -> int | None:
         """Stage holding parameter/buffer/module ``name``; ``None`` for shared ones."""
+        for alias, block in self.aliases.items():
+            if name == alias or name.startswith(alias + "."):
+                name = block + name[len(alias) :]
+                break
         for i, b in enumerate(self.blocks):
             if name == b or name.startswith(b + "."):
                 return next(s for s, r in enumerate(self.ranges) if i in r)
@@ -500,6 +519,13 @@ class StagedModel:
 
     def _install(self, mine: set[int]) -> None:
         layout, model, twins = self.layout, self.model, self._shape.model
+        # every name each module is reachable by, read before anything is replaced: a module
+        # also held under a second attribute (``self.last = self.layers[-1]``) must be
+        # replaced there too, or another rank's block stays real (its parameters trained and
+        # saved here) and a local block's hooks fire in another stage (_only)
+        self._aliases: dict[int, list[str]] = {}
+        for n, m in model.named_modules(remove_duplicate=False):
+            self._aliases.setdefault(id(m), []).append(n)
         self._slots: list[_BlockSlot] = []
         # Stand-ins for this rank's own modules, used while ANOTHER local stage runs (_only)
         self._stand_ins = {s: [] for s in mine}
@@ -512,18 +538,20 @@ class StagedModel:
             if stage in mine:
                 block = model.get_submodule(name)
                 block.forward = self._block_forward(slot, block.forward)  # instance attribute
-                self._stand_ins[stage].append((name, absent))
+                self._stand_ins[stage] += [(n, absent) for n in self._places(name)]
             else:
-                self._replace(name, absent)
+                for n in self._places(name):
+                    self._replace(n, absent)
         for name, stage in layout.units.items():
             twin = twins.get_submodule(name)
             absent = _Absent(name, stage, self._absent_unit(name, twin, stage))
             if stage in mine:
                 unit = model.get_submodule(name)
                 unit.forward = self._unit_forward(name, twin, unit.forward)
-                self._stand_ins[stage].append((name, absent))
+                self._stand_ins[stage] += [(n, absent) for n in self._places(name)]
             else:
-                self._replace(name, absent)
+                for n in self._places(name):
+                    self._replace(n, absent)
         # A persistent buffer of a shared module is saved by the rank of stage 0 only, so the
         # ranks' state-dict keys stay a partition of the model's.
         if 0 not in mine:
@@ -532,6 +560,21 @@ class StagedModel:
                 mod._non_persistent_buffers_set.update(
                     n for n, _ in mod.named_buffers(recurse=False)
                 )
+
+    def _places(self, name: str) -> list[str]:
+        """The names under which the module at ``name`` sits in the model, one per distinct
+        (parent, attribute) slot: an aliased container (two names for one ``ModuleList``) is
+        one slot, replaced once."""
+        target = self.model.get_submodule(name)
+        slots: set[tuple[int, str]] = set()
+        out: list[str] = []
+        for n in self._aliases.get(id(target), [name]):
+            parent_name, _, child = n.rpartition(".")
+            parent = self.model.get_submodule(parent_name) if parent_name else self.model
+            if (id(parent), child) not in slots:
+                slots.add((id(parent), child))
+                out.append(n)
+        return out
 
     def _replace(self, name: str, new: nn.Module) -> nn.Module:
         """Put ``new`` at ``name`` in the model; returns the module that was there."""
