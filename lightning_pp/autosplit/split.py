@@ -668,8 +668,8 @@ class StagedModel:
             run = _ACTIVE.get()
             if run is None:
                 return real(*args, **kwargs)
-            # held by this rank for another of its stages: _only swaps it out while that stage
-            # is not running, so only a module reachable under a second name gets here
+            # held by this rank for another of its stages: _only swaps it out (under every
+            # name it has) while that stage is not running, so this is a fallback only
             if name not in run.units:
                 return _phantom_run(twin, name, run.device, args, kwargs)
             _check_real(f"`{name}`", run.stage, args, kwargs)

@@ -32,6 +32,7 @@ from .sharding import (
     LayerTensors,
     Sharding,
     StateBytes,
+    allowed_shardings,
     rank_state_bytes,
 )
 
@@ -123,8 +124,7 @@ def compare_shardings(
     if shardings is None:
         dp = plan.dp or 1
         cap = bucket_cap_mb or plan.bucket_cap_mb or DEFAULT_BUCKET_CAP_MB
-        labels = [x for x in SHARDINGS if plan.tp == 1 or not x.startswith("zero")]
-        labels = labels if dp > 1 else ["none"]
+        labels = allowed_shardings(SHARDINGS, dp, plan.tp)
         shardings = [
             dataclasses.replace(
                 Sharding.parse(label, dp=dp, bucket_cap_mb=cap),

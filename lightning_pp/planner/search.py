@@ -91,7 +91,13 @@ from .fastsim import CompiledSchedule
 from .memory import RankMemory, profile_state_bytes, rank_memory, with_states
 from .profile import LayerCost, ModelProfile
 from .recompute import inflight_profile
-from .sharding import DEFAULT_BUCKET_CAP_MB, Sharding, StateBytes, rank_state_bytes
+from .sharding import (
+    DEFAULT_BUCKET_CAP_MB,
+    Sharding,
+    StateBytes,
+    allowed_shardings,
+    rank_state_bytes,
+)
 
 if TYPE_CHECKING:
     from .tensor_parallel import TpLayer
@@ -675,12 +681,9 @@ def _splits(
 
 
 def _shardings(dp: int, space: SearchSpace, tp: int = 1) -> list[Sharding]:
-    """The shardings tried for ``dp`` replicas: only none for one replica, and no ``zero`` with
-    ``tp > 1`` (the rules refuse it). ``fsdp`` with tp shards each tp rank's local tensors over
-    the replicas, so the state formulas hold on the tp shares' shapes as they stand."""
-    labels = [x for x in space.shardings if dp > 1 and (tp == 1 or not x.startswith("zero"))] or [
-        "none"
-    ]
+    """The shardings of ``space`` tried for ``dp`` replicas at ``tp``
+    (:func:`~lightning_pp.planner.sharding.allowed_shardings`)."""
+    labels = allowed_shardings(space.shardings, dp, tp)
     return [Sharding.parse(x, dp=dp, bucket_cap_mb=space.bucket_cap_mb) for x in labels]
 
 

@@ -484,16 +484,16 @@ def cut_along_sequence(
     outputs that sequence parallelism cuts (:func:`sequence_cuts`) at ``1 / tp``: the stage
     boundary, every P2P message and the stashed stage inputs. The saved activations inside a
     layer are left as measured (an upper bound: the norms' inputs shrink too)."""
-    out = []
-    for cost, (cut_in, cut_out) in zip(costs, sequence_cuts(styles)):
-        out.append(
-            dataclasses.replace(
-                cost,
-                input_bytes=-(-cost.input_bytes // tp) if cut_in else cost.input_bytes,
-                boundary_bytes=-(-cost.boundary_bytes // tp) if cut_out else cost.boundary_bytes,
-            )
-        )
-    return out
+    return [_cut(cost, tp, *cut) for cost, cut in zip(costs, sequence_cuts(styles))]
+
+
+def _cut(cost: LayerCost, tp: int, cut_in: bool, cut_out: bool) -> LayerCost:
+    """``cost`` with its input (``cut_in``) and output (``cut_out``) at ``ceil(1 / tp)``."""
+    return dataclasses.replace(
+        cost,
+        input_bytes=-(-cost.input_bytes // tp) if cut_in else cost.input_bytes,
+        boundary_bytes=-(-cost.boundary_bytes // tp) if cut_out else cost.boundary_bytes,
+    )
 
 
 def tp_layer_cost(
@@ -515,7 +515,7 @@ def tp_layer_cost(
     def scaled(x: int | None) -> int | None:
         return None if x is None else round(x * s)
 
-    return dataclasses.replace(
+    local = dataclasses.replace(
         cost,
         t_f=cost.t_f * r + fwd,
         t_i=cost.t_i * r + bwd,
@@ -523,10 +523,9 @@ def tp_layer_cost(
         t_fused=None if cost.t_fused is None else cost.t_fused * r + bwd,
         params=t.params,
         param_bytes=round(cost.param_bytes * r),
-        input_bytes=-(-cost.input_bytes // t.tp) if t.input_cut else cost.input_bytes,
-        boundary_bytes=-(-cost.boundary_bytes // t.tp) if t.output_cut else cost.boundary_bytes,
         saved_bytes=round(cost.saved_bytes * s),
         shared_bytes=round(cost.shared_bytes * s),
         w_saved_bytes=scaled(cost.w_saved_bytes),
         w_shared_bytes=scaled(cost.w_shared_bytes),
     )
+    return _cut(local, t.tp, t.input_cut, t.output_cut)
