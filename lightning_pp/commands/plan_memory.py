@@ -101,9 +101,10 @@ def _measure(
     from lightning_pp.commands.config import instantiate
     from lightning_pp.planner.meta_profile import (
         example_input,
-        layer_tensor_shapes,
+        layers_tensor_shapes,
         meta_layer_costs,
         meta_layers,
+        tied_groups,
     )
     from lightning_pp.planner.tensor_parallel import (
         cut_along_sequence,
@@ -129,7 +130,7 @@ def _measure(
             )
         layers = local_layers(layers, styles, tp)
         cut = list(styles)
-    tensors: list[LayerTensors] = [layer_tensor_shapes(layer) for layer in layers]
+    tensors: list[LayerTensors] = list(layers_tensor_shapes(layers, tied_groups(module)))
     if plan.batch_size is None:
         return tensors, None, "no data.init_args.batch_size: the microbatch size is unknown"
     size = max(plan.microbatch_sizes(plan.batch_size))

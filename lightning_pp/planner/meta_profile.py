@@ -41,14 +41,18 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from ..layout.partition import PipelineChunk
+from ..layout.placement import split_layer_name
 from ..runtime.recompute_probe import measure_chunk
 from .profile import LayerCost
 from .profiler import _nbytes, _repeat_to, _tensors
+from .sharding import TiedTensor
 
 __all__ = [
     "FlashAttentionOnMeta",
     "example_input",
     "layer_tensor_shapes",
+    "layers_tensor_shapes",
+    "tied_groups",
     "meta_layer_costs",
     "meta_layers",
 ]
@@ -116,6 +120,43 @@ def layer_tensor_shapes(layer: nn.Module) -> list[tuple[int, ...]]:
     """Each trainable parameter's shape, in parameter order (the gradient buckets' order; the
     shards are whole rows of the first dim)."""
     return [tuple(p.shape) for p in layer.parameters() if p.requires_grad]
+
+
+def layers_tensor_shapes(
+    layers: Sequence[nn.Module], tied: Sequence[Sequence[str]] = ()
+) -> list[list[tuple[int, ...] | TiedTensor]]:
+    """:func:`layer_tensor_shapes` of every layer, each member of a ``tied`` group
+    (``PipelineLayers.tied``: names like ``"0.wte.weight"``) as a
+    :class:`~lightning_pp.planner.sharding.TiedTensor` of that group, so that a rank holding
+    two members (V placement's embedding and head) counts the tensor once.
+
+    Example:
+        >>> layers = [nn.Embedding(4, 2), nn.Linear(2, 4, bias=False)]
+        >>> layers_tensor_shapes(layers, [("0.weight", "1.weight")])[1]
+        [TiedTensor(spec=(4, 2), group=0)]
+    """
+    group_of: dict[tuple[int, str], int] = {}
+    for g, names in enumerate(tied):
+        for name in names:
+            group_of[split_layer_name(name)] = g
+    out: list[list[tuple[int, ...] | TiedTensor]] = []
+    for i, layer in enumerate(layers):
+        specs: list[tuple[int, ...] | TiedTensor] = []
+        for name, p in layer.named_parameters():
+            if not p.requires_grad:
+                continue
+            g = group_of.get((i, name))
+            specs.append(tuple(p.shape) if g is None else TiedTensor(tuple(p.shape), g))
+        out.append(specs)
+    return out
+
+
+def tied_groups(module: Any) -> list[tuple[str, ...]]:
+    """The tied parameter groups of a ``PipelineLayers`` model (none for another)."""
+    pipeline = (
+        module.pipeline_layers() if callable(getattr(module, "pipeline_layers", None)) else None
+    )
+    return [tuple(g) for g in getattr(pipeline, "tied", ())]
 
 
 def _meta_key() -> tuple[Callable[[torch.Tensor], tuple[Any, int] | None], Callable[..., Any]]:

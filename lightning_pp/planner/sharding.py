@@ -6,7 +6,9 @@ lower precision) and the optimizer state. Notation, per pipeline rank and data-p
 ``d``:
 
 - ``N``: the elements of the rank's parameters (every local chunk; a tied parameter held by two
-  pipeline ranks counts on both, as in the unsharded model);
+  pipeline ranks counts on both, as in the unsharded model, and once on a rank that holds it
+  in two chunks, V placement's embedding and head: :class:`TiedTensor`; FSDP2 leaves that one
+  whole, so under ``fsdp`` it counts whole in ``S`` and is never gathered);
 - ``p``, ``g``, ``w``, ``o``: bytes per element of a parameter, a gradient, a master weight and
   the optimizer state (:class:`StateBytes`: fp32 params ``4, 4, 0, 8`` with Adam; bf16 params
   ``2, 2, 4, 8``: 16 bytes per parameter either way); ``m``: the element the optimizer steps
@@ -92,6 +94,7 @@ __all__ = [
     "rank_state_bytes",
     "shard_rows",
     "sharded_state_bytes",
+    "TiedTensor",
 ]
 
 #: PipelineStrategy's default gradient bucket size (MiB)
@@ -102,8 +105,27 @@ OPTIMIZER_STATES: dict[str, int] = {"adam": 2, "adamw": 2, "sgd-momentum": 1, "s
 
 #: one parameter tensor: its element count (a 1-D tensor) or its shape
 TensorSpec = int | tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class TiedTensor:
+    """A parameter tensor that several layers hold as one (a tied embedding and head):
+    ``spec`` its count or shape, ``group`` the tied group's index (the same for every member).
+    A rank holding two members holds one tensor (:func:`rank_state_bytes` counts it once);
+    ranks holding one member each hold a copy each.
+
+    Example:
+        >>> emb, head = [TiedTensor((16, 4), 0)], [TiedTensor((16, 4), 0), 4]
+        >>> rank_state_bytes([[emb], [head]]).numel   # V placement: both chunks on one rank
+        68
+    """
+
+    spec: TensorSpec
+    group: int
+
+
 #: one layer's parameters: their element count (one 1-D tensor), or each tensor in order
-LayerTensors = int | Sequence[TensorSpec]
+LayerTensors = int | Sequence[TensorSpec | TiedTensor]
 
 
 def precision_param_bytes(precision: str | int | None) -> int:
@@ -299,7 +321,38 @@ def _shape(t: TensorSpec) -> tuple[int, int]:
 
 def _tensors(layer: LayerTensors) -> list[tuple[int, int]]:
     """A layer's tensors as (rows, elements per row); an int: one 1-D tensor."""
-    return [_shape(int(layer))] if isinstance(layer, int) else [_shape(t) for t in layer]
+    if isinstance(layer, int):
+        return [_shape(int(layer))]
+    return [_shape(t.spec if isinstance(t, TiedTensor) else t) for t in layer]
+
+
+def _held_once(
+    chunks: Sequence[Sequence[LayerTensors]],
+) -> tuple[list[list[LayerTensors]], set[int]]:
+    """``chunks`` with every tied group's tensor kept at its first member only (the rank holds
+    one tensor), and the groups whose members sit in two or more of the chunks: FSDP2 leaves
+    such a tensor whole (``runtime.fsdp_chunks.shared_parameters``)."""
+    first: dict[int, int] = {}  # group -> the chunk of its first member
+    spanning: set[int] = set()
+    out: list[list[LayerTensors]] = []
+    for c, chunk in enumerate(chunks):
+        kept_chunk: list[LayerTensors] = []
+        for layer in chunk:
+            if isinstance(layer, int):
+                kept_chunk.append(layer)
+                continue
+            kept = []
+            for t in layer:
+                if isinstance(t, TiedTensor):
+                    if t.group in first:
+                        if first[t.group] != c:
+                            spanning.add(t.group)
+                        continue
+                    first[t.group] = c
+                kept.append(t)
+            kept_chunk.append(kept)
+        out.append(kept_chunk)
+    return out, spanning
 
 
 @dataclass(frozen=True)
@@ -368,19 +421,34 @@ def rank_state_bytes(
     b = state or StateBytes()
     if not 0 <= dp_rank < s.dp:
         raise ValueError(f"dp_rank must lie in [0, dp={s.dp}), got {dp_rank}")
-    shapes = [[t for layer in chunk for t in _tensors(layer)] for chunk in chunks]
-    numel = sum(r * n for chunk in shapes for r, n in chunk)
+    chunks, spanning = _held_once(chunks)
+    # under fsdp a tied tensor two local chunks hold stays whole on every replica
+    left_whole = spanning if s.fsdp else set()
+    shapes: list[list[tuple[int, int]]] = []
+    whole = 0
+    for chunk in chunks:
+        cut: list[tuple[int, int]] = []
+        for layer in chunk:
+            for t in [layer] if isinstance(layer, int) else layer:
+                if isinstance(t, TiedTensor) and t.group in left_whole:
+                    rows, per_row = _shape(t.spec)
+                    whole += rows * per_row
+                else:
+                    cut.append(_shape(t.spec if isinstance(t, TiedTensor) else t))
+        shapes.append(cut)
+    numel = sum(r * n for chunk in shapes for r, n in chunk) + whole
     largest = max((sum(r * n for r, n in chunk) for chunk in shapes), default=0)
     sharded = bool(s.fsdp or s.zero)
     if sharded:
         shard = sum(shard_rows(r, s.dp, dp_rank) * n for chunk in shapes for r, n in chunk)
         padding = sum((padded_shard(r, s.dp) * s.dp - r) * n for chunk in shapes for r, n in chunk)
+        shard += whole
     else:
         shard, padding = numel, 0
     stepped = b.master or b.param  # the element the optimizer steps: master copy, or the row
     full_p, full_g = numel * b.param, numel * b.grad
     if s.fsdp:
-        gathered = largest if s.reshard_after_forward else numel
+        gathered = largest if s.reshard_after_forward else numel - whole
         params, params_at_step = (shard + gathered) * b.param, shard * b.param
         grads_at_step = shard * b.grad
     else:
