@@ -239,7 +239,7 @@ def _profile() -> ModelProfile:
     )
 
 
-def test_search_tries_tp_where_the_world_allows_with_fsdp_and_never_zero():
+def test_search_tries_tp_where_the_world_allows_with_every_sharding():
     shares = {
         tp: [TpLayer(tp, 1_000_000 // tp, 1_000_000, 1 / tp, (250,), (250,))] * 6 for tp in (2, 4)
     }
@@ -250,8 +250,12 @@ def test_search_tries_tp_where_the_world_allows_with_fsdp_and_never_zero():
     assert all(tp * pp * dp == 8 for tp, pp, dp in seen)
     assert ("tp=8", "no tensor-parallel shares of the layers (tp_layers)") in result.rejected
     tp_rows = [p for p in result.ranked if p.candidate.tp > 1]
-    # zero does not compose with tp (the rules refuse it); fsdp shards each tp share over dp
-    assert {p.candidate.sharding_label for p in tp_rows if p.candidate.dp > 1} == {"none", "fsdp"}
+    # zero and fsdp both shard each tp share over dp
+    assert {p.candidate.sharding_label for p in tp_rows if p.candidate.dp > 1} == {
+        "none",
+        "zero=1",
+        "fsdp",
+    }
     assert {p.candidate.sharding_label for p in tp_rows if p.candidate.dp == 1} == {"none"}
     assert {p.candidate.sharding_label for p in result.ranked if p.candidate.tp == 1} == {
         "none",
@@ -275,6 +279,16 @@ def test_search_tries_tp_where_the_world_allows_with_fsdp_and_never_zero():
     assert sharded.heaviest.optimizer * 2 == two.heaviest.optimizer
     strategy = chosen_config({"strategy": {}}, sharded, world=8)["strategy"]
     assert (strategy["tp"], strategy["fsdp"], strategy["zero"]) == (2, True, 0)
+    # zero=1 at tp 2 (dp 2): the moments split as fsdp's, the parameters and gradients whole
+    rows = next(
+        p for p in result.ranked
+        if (p.candidate.tp, p.candidate.pp, p.candidate.microbatches) == (2, 2, 2)
+        and p.candidate.sharding_label == "zero=1" and p.candidate.schedule == "1f1b"
+    )  # fmt: skip
+    assert rows.heaviest.optimizer * 2 == two.heaviest.optimizer
+    assert rows.heaviest.params == two.heaviest.params
+    strategy = chosen_config({"strategy": {}}, rows, world=8)["strategy"]
+    assert (strategy["tp"], strategy["fsdp"], strategy["zero"]) == (2, False, 1)
     plain = search(_profile(), world=8, global_batch=16, space=SearchSpace(recomputes=(None,)))
     assert {p.candidate.tp for p in plain.ranked} == {1}
 
@@ -298,8 +312,6 @@ def test_plan_refuses_a_tp_the_model_cannot_take(capsys):
         capsys, DEMO, DECODER, "strategy.tp=8", "strategy.pp=1", "trainer.devices=8"
     )
     assert code == 2 and "heads=4, kv_heads=4" in err
-    code, _, err = _plan(capsys, DEMO, DECODER, "strategy.tp=2", "strategy.zero=1")
-    assert code == 2 and "tp=2 with zero=1" in err
     code, _, err = _plan(capsys, DEMO, DECODER, "strategy.tp=2", "+strategy.tp_plan=auto")
     assert code != 0 and "tp_plan" in err
 
@@ -327,14 +339,23 @@ def test_70b_per_rank_bytes_at_each_tp(capsys):
         assert m, line
         tp, dp, sharding, params, peak, fits = (m[1], m[3], m[4], m[5], m[6], m[7])
         peaks[int(tp)] = (int(dp), sharding, float(params), float(peak), fits)
-    # a sharded config (zero=1) keeps sharding at tp > 1 with fsdp, the sharding tp takes
-    assert peaks[1][:2] == (8, "zero=1") and peaks[2][:2] == (4, "fsdp")
-    assert peaks[4][:2] == (2, "fsdp") and peaks[8][:2] == (1, "none")
+    # a sharded config (zero=1) keeps its sharding at tp > 1 (zero composes with tp)
+    assert peaks[1][:2] == (8, "zero=1") and peaks[2][:2] == (4, "zero=1")
+    assert peaks[4][:2] == (2, "zero=1") and peaks[8][:2] == (1, "none")
     # the bf16 parameters of the heaviest rank: 16.50 GiB whole, / tp (norms, wpe: whole);
-    # under fsdp the peak holds the 1/dp shard and the gathered tp share (S p + N p)
+    # zero keeps them whole on every replica
     for tp in (2, 4, 8):
-        dp = peaks[tp][0]
-        gathered = 1 + 1 / dp if peaks[tp][1] == "fsdp" else 1
-        assert peaks[tp][2] == pytest.approx(16.50 / tp * gathered, rel=0.01)
-    assert peaks[1][3] > peaks[4][3] > peaks[8][3]
+        assert peaks[tp][2] == pytest.approx(16.50 / tp, rel=0.01)
+    assert peaks[1][3] > peaks[2][3] > peaks[4][3] > peaks[8][3]
     assert all(p[4] == "yes" for p in peaks.values())
+    # with fsdp the config's sharding is fsdp at every tp: the peak holds the 1/dp shard and
+    # the gathered tp share (S p + N p)
+    code, out, err = _plan(capsys, GPT_70B, DECODER, "strategy.zero=0", "strategy.fsdp=true")
+    assert code == 0, err
+    section = out.split("--- tensor parallel:")[1]
+    for line in section.splitlines()[4:6]:  # tp 2 and 4
+        m = re.match(r"\s*(\d+)( \*)?\s+(\d+)\s+(\S+)\s+\d+\s+([\d.]+) GiB", line)
+        assert m, line
+        tp, dp = int(m[1]), int(m[3])
+        assert m[4] == "fsdp"
+        assert float(m[5]) == pytest.approx(16.50 / tp * (1 + 1 / dp), rel=0.01)

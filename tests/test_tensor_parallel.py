@@ -11,9 +11,16 @@ gradient norm).
   (their own plans, transformers' own styles) at pp2 x tp2.
 * Checkpoints: written at pp2 x tp2, resumed at pp2 x tp2, pp2 x tp1 x dp2, pp4 x tp1 and in a
   plain Trainer; written at pp2 x dp2 and resumed at pp2 x tp2 (tp1 -> tp2); written at
-  pp2 x dp2 x tp2 under fsdp, resumed there, at tp2 without fsdp, at fsdp x dp4 and plain.
+  pp2 x dp2 x tp2 under fsdp or zero=1, resumed there, under the other one, at tp2 unsharded,
+  at dp4 without tp and plain.
 * fsdp x tp: FSDP2 over each tensor-parallel shard (2-D placements) at pp2 x dp2 x tp2 under
   1f1b (the tie across ranks) and zbv (the tie on one rank, left whole by FSDP2).
+* zero x tp: the distributed optimizer over each tensor-parallel shard (its rows cut over dp)
+  at pp2 x dp2 x tp2 under 1f1b (zero=1, the tie across ranks), zbv (zero=2, the tie on one
+  rank, the parameter all-gathers overlapped with the next forwards) and with sequence
+  parallelism; each rank's rows seen whole by a checkpoint (every
+  placement, uneven rows); the replicated rows counted once by the clipping (a planted
+  double count is caught); checkpoints resume at their own shape, under fsdp and plain.
 * Sequence parallelism (``DecoderLM(sequence_parallel=True)``) at pp2 x tp2 (1f1b, zbv) and
   under fsdp at pp2 x dp2 x tp2 (zbv): equal to the reference, every layer's input measured at
   ``T / tp`` positions; an uneven length refused.
@@ -67,7 +74,22 @@ WORLD8 = [
     # sequence parallelism under FSDP2: a norm's weight is Replicate over tp (its gradient
     # partial until summed) and Shard over dp
     {"name": "tp2_dp2_sp_fsdp_zbv", **TP2, "model": "decoder-sp", "fsdp": True, "schedule": "zbv"},
+    # the distributed optimizer over each tensor-parallel shard: rows of the local shards
+    {"name": "tp2_dp2_zero1_1f1b", **TP2, "zero": 1},
+    # ... with the parameter all-gathers finished at the next forwards
+    {
+        "name": "tp2_dp2_zero2_zbv",
+        **TP2,
+        "zero": 2,
+        "schedule": "zbv",
+        "overlap_param_gather": True,
+    },
+    {"name": "tp2_dp2_sp_zero1_zbv", **TP2, "model": "decoder-sp", "zero": 1, "schedule": "zbv"},
 ]
+# last (it patches the distributed optimizer while it runs): replicated rows counted on every
+# tp rank
+PLANTED8 = {"name": "tp2_dp2_zero1_norm_planted", **TP2, "zero": 1,
+            "plant": "zero_tp_norm_everywhere"}  # fmt: skip
 HF = {"split": "model.model.layers", "pp": 2, "microbatches": 4, "clip": 1.0}
 ATTENTION_ONLY = {
     "model.layers.*.self_attn.q_proj": "colwise",
@@ -103,10 +125,11 @@ def runs(tmp_path_factory) -> dict[str, list[dict]]:
     world("trainer", 4).run(
         script_main, "pp_run", ["--out", str(out4), "--configs", json.dumps(configs4)], timeout=400
     )
+    configs8 = [*WORLD8, PLANTED8]
     world("trainer", 8).run(
-        script_main, "pp_run", ["--out", str(out8), "--configs", json.dumps(WORLD8)], timeout=400
+        script_main, "pp_run", ["--out", str(out8), "--configs", json.dumps(configs8)], timeout=800
     )
-    return {**load_runs(out4, configs4, 4), **load_runs(out8, WORLD8, 8)}
+    return {**load_runs(out4, configs4, 4), **load_runs(out8, configs8, 8)}
 
 
 @pytest.mark.parametrize("cfg", WORLD4 + WORLD8, ids=[c["name"] for c in WORLD4 + WORLD8])
@@ -122,10 +145,12 @@ def test_tensor_parallel_runs_match_the_single_process_trainer(runs, reference, 
         assert d["mesh"]["tp_group"] and d["mesh"]["coordinate"][2] == d["tp_rank"]
 
 
-def test_counting_replicated_weights_on_every_tp_rank_is_caught(runs, reference):
+@pytest.mark.parametrize("planted", [PLANTED, PLANTED8], ids=["tp", "zero_tp"])
+def test_counting_replicated_weights_on_every_tp_rank_is_caught(runs, reference, planted):
     """The comparison catches torchtitan#596: with the LayerNorms' squares summed on both tp
-    ranks the clipping norm, and through the clipping the losses, leave the reference."""
-    bad = mismatches(runs[PLANTED["name"]], reference, REL_TOL)
+    ranks the clipping norm, and through the clipping the losses, leave the reference; under
+    zero the same for their rows (and the position table's, a plain tensor on both tp ranks)."""
+    bad = mismatches(runs[planted["name"]], reference, REL_TOL)
     assert any("gradient norm" in b for b in bad), bad
 
 
@@ -135,7 +160,7 @@ def test_each_rank_allocates_one_tp_th_of_its_sharded_weights(runs, cfg):
     exactly 1/tp of their bytes, on every rank of every stage; under fsdp 1/(tp * dp), but for a
     weight FSDP2 leaves whole (zbv's tied embedding and head, on one rank), 1/tp."""
     for d in runs[cfg["name"]]:
-        dp = d["dp"] if cfg.get("fsdp") else 1
+        dp = d["dp"] if cfg.get("fsdp") else 1  # zero keeps the parameters whole over dp
         whole = d["sharding"]["whole_tp_bytes"]  # cut over tp only
         assert d["tp_sharded_bytes"] > 0
         assert d["tp_sharded_bytes"] * cfg["tp"] * dp == d["tp_whole_bytes"] + whole * (dp - 1)
@@ -178,17 +203,30 @@ def test_sequence_parallel_saves_less_for_backward(runs):
         )
 
 
-@pytest.mark.parametrize("name", ["tp2_1f1b", "tp2_dp2_interleaved", "tp2_dp2_fsdp_1f1b"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "tp2_1f1b",
+        "tp2_dp2_interleaved",
+        "tp2_dp2_fsdp_1f1b",
+        "tp2_dp2_fsdp_zbv",
+        "tp2_dp2_zero1_1f1b",
+        "tp2_dp2_zero2_zbv",
+    ],
+)
 def test_the_plans_tp_prediction_is_within_2_percent_of_the_measured_bytes(runs, name):
     """What ``lightning-pp plan`` predicts for one tp rank (the state formulas of
     planner.sharding on the tp-local layer shapes the meta model gives,
     planner.tensor_parallel.local_layers) against what ModelStateMemoryMonitor measured from
     the tensors after the optimizer step, on every rank: parameters, gradients, master weights
-    and optimizer state, each within 2 %; under fsdp each tp share sharded again over dp."""
+    and optimizer state, each within 2 %; under fsdp each tp share sharded again over dp,
+    under zero its moments (and with zero=2 its gradients) cut into rows over dp. Under zbv
+    the tied embedding and head are one tensor on pipeline rank 0 (counted once; left whole
+    by FSDP2)."""
     from pp_common import MODEL_KW, state_bytes_off
 
     from lightning_pp.models.decoder import DecoderLM
-    from lightning_pp.planner.meta_profile import layer_tensor_shapes, meta_layers
+    from lightning_pp.planner.meta_profile import layers_tensor_shapes, meta_layers, tied_groups
     from lightning_pp.planner.tensor_parallel import local_layers, record_tp_styles
 
     cfg = next(c for c in WORLD4 + WORLD8 if c["name"] == name)
@@ -198,7 +236,7 @@ def test_the_plans_tp_prediction_is_within_2_percent_of_the_measured_bytes(runs,
     layers = meta_layers(model)
     styles = record_tp_styles(model, layers, cfg["tp"])
     assert styles is not None
-    shapes = [layer_tensor_shapes(layer) for layer in local_layers(layers, styles, cfg["tp"])]
+    shapes = layers_tensor_shapes(local_layers(layers, styles, cfg["tp"]), tied_groups(model))
     ranks = runs[name]
     plan = PipelinePlan.build(
         pp=cfg["pp"],
@@ -209,6 +247,7 @@ def test_the_plans_tp_prediction_is_within_2_percent_of_the_measured_bytes(runs,
         microbatches=cfg["microbatches"],
         num_layers=len(layers),
         fsdp=cfg.get("fsdp", False),
+        zero=cfg.get("zero", 0),
     )
     assert state_bytes_off(plan, shapes, ranks) == [], name
 
@@ -363,60 +402,142 @@ def test_a_tensor_parallel_resume_reads_only_each_ranks_shard_of_the_moments(ckp
     assert {k: n for k, n in plain["read_elements"].items() if k in cut} == cut
 
 
-@pytest.fixture(scope="module")
-def fsdp_ckpt_runs(tmp_path_factory) -> Path:
-    """pp2 x dp2 x tp2 under fsdp saves at step 5 (8 ranks) and resumes at its own shape, at
-    tp2 without fsdp, at fsdp without tp (dp4) and in a plain Trainer."""
-    out = tmp_path_factory.mktemp("fsdp_tp_ckpt")
+#: the 2-D shardings a checkpoint is written under at pp2 x dp2 x tp2, and the other one
+SHARDED = {"fsdp": ({"fsdp": True}, {"zero": 1}), "zero": ({"zero": 1}, {"fsdp": True})}
+
+
+@pytest.fixture(scope="module", params=list(SHARDED))
+def sharded_ckpt_runs(request, tmp_path_factory) -> tuple[str, Path]:
+    """pp2 x dp2 x tp2 under fsdp (FSDP2 over each tp shard) or zero=1 (rows of each tp shard)
+    saves at step 5 (8 ranks) and resumes at its own shape, under the other sharding, at tp2
+    without sharding, at dp4 without tp and in a plain Trainer."""
+    how, other = SHARDED[request.param]
+    out = tmp_path_factory.mktemp(f"{request.param}_tp_ckpt")
     ck = out / "ck"
     step5 = str(ck / "step=5.ckpt")
     dec = {"model": "decoder", "microbatches": 2}
+    resume = {"max_steps": 10, "resume": step5}
     phases = [
-        {"name": "f_save", "pp": 2, "tp": 2, "fsdp": True, **dec, "max_steps": 5, "every": 5,
+        {"name": "save", "pp": 2, "tp": 2, **how, **dec, "max_steps": 5, "every": 5,
          "ckpt_dir": str(ck)},
-        {"name": "f_resume", "pp": 2, "tp": 2, "fsdp": True, **dec, "max_steps": 10,
-         "resume": step5},
-        {"name": "f_to_tp2", "pp": 2, "tp": 2, **dec, "max_steps": 10, "resume": step5},
-        {"name": "f_to_tp1", "pp": 2, "fsdp": True, **dec, "max_steps": 10, "resume": step5},
+        {"name": "resume", "pp": 2, "tp": 2, **how, **dec, **resume},
+        {"name": "to_other", "pp": 2, "tp": 2, **other, **dec, **resume},
+        {"name": "to_tp2", "pp": 2, "tp": 2, **dec, **resume},
+        {"name": "to_tp1", "pp": 2, **how, **dec, **resume},
     ]  # fmt: skip
     (out / "w").mkdir()
     argv = ["--out", str(out / "w"), "--phases", json.dumps(phases)]
-    world("trainer", 8).run(script_main, "ckpt_run", argv, timeout=500)
-    _plain_phases(out, "f_to_plain", step5)
-    return out
+    world("trainer", 8).run(script_main, "ckpt_run", argv, timeout=600)
+    _plain_phases(out, "to_plain", step5)
+    return request.param, out
 
 
 @pytest.mark.parametrize(
     "name,group,size",
-    [("f_resume", "w", 8), ("f_to_tp2", "w", 8), ("f_to_tp1", "w", 8), ("f_to_plain", "p", 1)],
+    [
+        ("resume", "w", 8),
+        ("to_other", "w", 8),
+        ("to_tp2", "w", 8),
+        ("to_tp1", "w", 8),
+        ("to_plain", "p", 1),
+    ],
 )
-def test_an_fsdp_tensor_parallel_checkpoint_resumes_at_any_shape(fsdp_ckpt_runs, name, group, size):
-    """Written with 2-D shards (FSDP2 over each tensor-parallel shard), read back at the same
-    shape, with one of the two cuts dropped, and whole: steps 6-10 equal the uninterrupted plain
-    run's; at its own shape each rank reads a quarter of every tensor cut both ways."""
+def test_a_sharded_tensor_parallel_checkpoint_resumes_at_any_shape(
+    sharded_ckpt_runs, name, group, size
+):
+    """Written with 2-D shards (FSDP2 over each tensor-parallel shard, or the distributed
+    optimizer's rows of it), read back at the same shape, under the other sharding, with one
+    of the two cuts dropped, and whole: steps 6-10 equal the uninterrupted plain run's; at its
+    own shape each rank reads a quarter of every tensor cut both ways (under zero: the
+    moments; the parameters are cut over tp only)."""
     import math
 
     from lightning_pp.checkpoint.dcp_safe import read_dcp_metadata
 
-    full = _ck(fsdp_ckpt_runs, "p", "plain_full", 1)[0]
-    for d in _ck(fsdp_ckpt_runs, "w", "f_save", 8):
+    sharding, out = sharded_ckpt_runs
+    full = _ck(out, "p", "plain_full", 1)[0]
+    for d in _ck(out, "w", "save", 8):
         assert max(rel_errors(d["train_loss"], full["train_loss"][:5])) <= REL_TOL
-    for d in _ck(fsdp_ckpt_runs, group, name, size):
+    for d in _ck(out, group, name, size):
         assert max(rel_errors(d["train_loss"], full["train_loss"][5:])) <= RESHARD_TOL, name
         assert d["lr"] == full["lr"][5:]
         assert d["global_step"] == 10
-    if name != "f_resume":
+    if name != "resume":
         return
-    meta = read_dcp_metadata(fsdp_ckpt_runs / "ck" / "step=5.ckpt" / ".metadata")
+    meta = read_dcp_metadata(out / "ck" / "step=5.ckpt" / ".metadata")
     cut = {
         k: math.prod(v.size)
         for k, v in meta.state_dict_metadata.items()
-        if len(getattr(v, "chunks", ())) == 4  # cut over dp and tp: parameters and moments
+        if len(getattr(v, "chunks", ())) == 4  # cut over dp and tp
     }
     assert any(k.startswith("optimizer_0.state.") for k in cut) and cut
-    for d in _ck(fsdp_ckpt_runs, "w", name, 8):
+    if sharding == "zero":
+        assert not any(k.startswith("state_dict.") for k in cut), sorted(cut)
+    for d in _ck(out, "w", name, 8):
         got = {k: n for k, n in d["read_elements"].items() if k in cut}
         assert got and all(4 * n == cut[k] for k, n in got.items()), (d["rank"], got)
+
+
+def _zero_rows_case(rank: int, size: int) -> dict:
+    """pp1 x dp2 x tp2 on gloo: a distributed optimizer over tensor-parallel parameters of every
+    kind (column-wise ``Shard(0)`` with uneven rows inside its tp shard, row-wise ``Shard(1)``
+    with uneven rows, ``Replicate``, a plain tensor, a scalar). Each rank's rows as the
+    checkpoint sees them (:meth:`ShardedGradSync.as_dtensor`), gathered whole, against the
+    tensor the parameter was cut from; and which rows the clipping's norm leaves out."""
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from lightning_pp.runtime.distributed_optimizer import ShardedGradSync
+    from lightning_pp.runtime.grad_sync import TiedParameterSync
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("data_parallel", "tensor_parallel"))
+    tp_mesh = mesh["tensor_parallel"]
+    torch.manual_seed(0)  # the same wholes on every rank
+    wholes = {
+        "col": torch.randn(6, 4),  # tp rows 3 each, over dp: 2 and 1
+        "row": torch.randn(5, 6),  # dp rows 3 and 2, columns 3 per tp rank
+        "rep": torch.randn(5),
+        "plain": torch.randn(3, 2),
+        "scalar": torch.randn(()),
+    }
+    cuts = {"col": [Shard(0)], "row": [Shard(1)], "rep": [Replicate()]}
+    params = {
+        k: nn.Parameter(distribute_tensor(v, tp_mesh, cuts[k]) if k in cuts else v.clone())
+        for k, v in wholes.items()
+    }
+    sync = ShardedGradSync(
+        [list(params.values())],
+        mesh["data_parallel"].get_group(),
+        dp_size=2,
+        dp_rank=mesh.get_local_rank(0),
+        zero=1,
+        mesh=mesh,
+    )
+    equal = {}
+    for k, p in params.items():
+        main = sync.main.get(id(p))
+        rows = None if main is None else main.detach()
+        whole = sync.as_dtensor(id(p), rows).full_tensor()
+        equal[k] = torch.equal(whole.reshape(wholes[k].shape), wholes[k])
+    names = {id(sync.main[id(p)]): k for k, p in params.items() if id(p) in sync.main}
+    skipped = sorted(names[i] for i in sync.grad_norm_skip(TiedParameterSync([])))
+    return {
+        "dp_rank": mesh.get_local_rank(0),
+        "tp_rank": mesh.get_local_rank(1),
+        "equal": equal,
+        "skipped": skipped,
+    }
+
+
+def test_zero_rows_of_tensor_parallel_parameters_are_whole_tensors_to_a_checkpoint():
+    got = world("gloo", 4).run(_zero_rows_case, timeout=120)
+    for r in got:
+        assert all(r["equal"].values()), r
+        # rows both tp ranks hold (a Replicate weight, a plain tensor) count on tp rank 0 only;
+        # the scalar's one row lies on dp rank 0; the cut weights' rows count everywhere
+        want = {"rep", "plain", "scalar"} if r["dp_rank"] == 0 else {"rep", "plain"}
+        assert r["skipped"] == (sorted(want) if r["tp_rank"] == 1 else []), r
 
 
 def _tied_cuts(rank: int, size: int, dims: tuple[int, int]) -> list:
@@ -470,12 +591,17 @@ def test_the_world_must_be_pp_times_dp_times_tp():
 
 
 @pytest.mark.quick
-@pytest.mark.parametrize("zero", [1, 2])
-def test_tensor_parallel_with_the_distributed_optimizer_is_refused_by_name(zero):
-    with pytest.raises(PreflightError, match=rf"tp=2 with zero={zero}: .* use tp=2 with fsdp"):
-        PipelinePlan.build(pp=2, tp=2, world_size=8, zero=zero)
-    plan = PipelinePlan.build(pp=2, tp=2, world_size=8, fsdp=True)  # FSDP2 composes with tp
-    assert (plan.dp, plan.tp) == (2, 2)
+@pytest.mark.parametrize("sharding", [{"zero": 1}, {"zero": 2}, {"fsdp": True}])
+def test_every_data_parallel_sharding_composes_with_tensor_parallel(sharding):
+    plan = PipelinePlan.build(pp=2, tp=2, world_size=8, **sharding)
+    assert (plan.dp, plan.tp, plan.zero, plan.fsdp) == (
+        2,
+        2,
+        sharding.get("zero", 0),
+        sharding.get("fsdp", False),
+    )
+    with pytest.raises(PreflightError, match="FSDP2 already shards"):
+        PipelinePlan.build(pp=2, tp=2, world_size=8, zero=1, fsdp=True)
 
 
 @pytest.mark.quick
@@ -486,8 +612,7 @@ def test_strategy_settings_are_checked_at_construction():
         PipelineStrategy(pp=2, tp=2, tp_plan="auto")
     with pytest.raises(PreflightError, match="tp_plan must be 'auto'"):
         PipelineStrategy(pp=2, tp=2, split="model.layers", tp_plan="colwise")
-    with pytest.raises(PreflightError, match=r"tp=2 with zero=2"):
-        PipelineStrategy(pp=2, tp=2, zero=2)
+    PipelineStrategy(pp=2, tp=2, zero=2)  # the distributed optimizer composes with tp
 
 
 @pytest.mark.quick

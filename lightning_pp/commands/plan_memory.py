@@ -227,13 +227,8 @@ def memory_lines(
             "gradients, fsdp the",
             "  gathered parameters) and the optimizer step; states at step: params + grads + "
             "master + optimizer there",
-            (
-                "  choose one with strategy.zero=1, strategy.zero=2 or strategy.fsdp=true "
-                if plan.tp == 1
-                else f"  choose fsdp with strategy.fsdp=true (zero does not compose with "
-                f"tp={plan.tp}) "
-            )
-            + "(docs/planner.md, 'Sharded memory')",
+            "  choose one with strategy.zero=1, strategy.zero=2 or strategy.fsdp=true "
+            "(docs/planner.md, 'Sharded memory')",
         ]
     return out + _tp_lines(cfg, plan, module, state, settings, recompute, mine)
 
@@ -250,9 +245,8 @@ def _tp_lines(
     """The heaviest pipeline rank on one tensor-parallel rank at each tp of
     :data:`~lightning_pp.planner.tensor_parallel.TP_CANDIDATES` the world and the model allow
     (the others with the reason): the same pipeline and microbatch, ``dp = world / (pp x
-    tp)``; at the config's tp its own sharding; at another tp ``fsdp`` over dp where the
-    config shards (``zero`` or ``fsdp``: ``zero`` does not compose with tp) and dp > 1, else
-    unsharded."""
+    tp)``; the config's own sharding (``zero`` or ``fsdp``, both compose with tp) where
+    dp > 1, else unsharded."""
     from lightning_pp.layout.rules import PreflightError
     from lightning_pp.planner.meta_profile import meta_layers
     from lightning_pp.planner.plan_memory import compare_shardings
@@ -288,10 +282,13 @@ def _tp_lines(
             rows.append((tp, dp, "not measured"))
             continue
         known = known and costs is not None
-        # a sharded config keeps sharding at this tp: fsdp, the one sharding tp composes with
-        fsdp = bool(plan.zero or plan.fsdp) and dp > 1
+        # a sharded config keeps its sharding at this tp (zero and fsdp both compose with tp)
+        fsdp = bool(plan.fsdp) and dp > 1
         sharding = Sharding(
-            fsdp=fsdp, dp=dp, reshard_after_forward=fsdp and _reshard(plan, settings)
+            zero=plan.zero if dp > 1 else 0,
+            fsdp=fsdp,
+            dp=dp,
+            reshard_after_forward=fsdp and _reshard(plan, settings),
         )
         got = compare_shardings(
             at, tensors, costs, state, recompute=recompute, shardings=[sharding]
@@ -310,10 +307,9 @@ def _tp_lines(
         ),
         "  tp shards the attention and MLP Linears, the vocabulary embedding and the head; "
         "norms, the position",
-        "  embedding and the stage boundary stay whole; tp > 1 shards over dp with fsdp only "
-        "(docs/planner.md, 'Tensor parallel')",
-        "  choose one with strategy.tp=N (strategy.zero=0 for N > 1; strategy.fsdp=true to "
-        "shard over dp)",
+        "  embedding and the stage boundary stay whole; each tp rank's share is sharded over "
+        "dp as the config shards",
+        "  (docs/planner.md, 'Tensor parallel'); choose one with strategy.tp=N",
     ]
 
 

@@ -426,7 +426,7 @@ class PipelinePlan:
         return 4 + (4 / dp if self.zero == 2 else 4) + (8 / dp if self.zero else 8)
 
     def _state_note(self) -> str:
-        if self.tp > 1:  # the counts are the whole layers' (tp with zero/fsdp is refused)
+        if self.tp > 1:  # the counts are the whole layers; the per-tp-rank tables shard them
             return f" for the whole layers, before tp={self.tp} cuts them (per tp rank: below)"
         if not (self.zero or self.fsdp):
             return ""

@@ -165,7 +165,7 @@ def check_settings(
     _positive_number("watchdog_timeout", watchdog_timeout, "seconds", none_means="disabled")
     check_sharding(zero, fsdp)
     check_reshard(reshard_after_forward, fsdp)
-    check_tensor_parallel(tp, zero, fsdp)
+    _positive(tp=tp)  # every data-parallel sharding composes with it (zero, fsdp)
     if isinstance(partition, str):
         if partition not in PARTITION_METHODS:
             close = difflib.get_close_matches(partition, PARTITION_METHODS, n=1)
@@ -180,21 +180,6 @@ def check_settings(
             f"an explicit partition is a list of per-stage layer counts (integers), got "
             f"{list(partition)!r}",
             key="partition",
-        )
-
-
-def check_tensor_parallel(tp: Any, zero: Any = 0, fsdp: Any = False) -> None:
-    """``tp`` is a positive int; with ``tp > 1`` the data-parallel sharding is FSDP2
-    (``fsdp=True``: each tensor-parallel shard is sharded again over the replicas, as
-    torchtitan composes them) or plain replication: ``zero`` is refused, naming the setting."""
-    _positive(tp=tp)
-    if tp > 1 and zero:
-        raise PreflightError(
-            f"tp={tp} with zero={zero}: the distributed optimizer does not shard "
-            f"tensor-parallel parameters yet; use tp={tp} with fsdp=True (FSDP2 shards each "
-            f"tensor-parallel shard over the data-parallel replicas) or with zero=0, or "
-            f"zero={zero} with tp=1",
-            key="tp",
         )
 
 

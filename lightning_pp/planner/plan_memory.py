@@ -118,13 +118,12 @@ def compare_shardings(
     reshard_after_forward: bool = False,
 ) -> list[ShardingMemory]:
     """:func:`plan_memory` under each of ``shardings`` (default: every one of
-    :data:`~lightning_pp.planner.sharding.SHARDINGS` over the plan's ``dp`` that the plan's
-    ``tp`` allows, no ``zero`` with ``tp > 1``; only none when ``dp = 1``), the activations
-    analysed once."""
+    :data:`~lightning_pp.planner.sharding.SHARDINGS` over the plan's ``dp``; only none when
+    ``dp = 1``), the activations analysed once."""
     if shardings is None:
         dp = plan.dp or 1
         cap = bucket_cap_mb or plan.bucket_cap_mb or DEFAULT_BUCKET_CAP_MB
-        labels = allowed_shardings(SHARDINGS, dp, plan.tp)
+        labels = allowed_shardings(SHARDINGS, dp)
         shardings = [
             dataclasses.replace(
                 Sharding.parse(label, dp=dp, bucket_cap_mb=cap),

@@ -680,10 +680,10 @@ def _splits(
     return out
 
 
-def _shardings(dp: int, space: SearchSpace, tp: int = 1) -> list[Sharding]:
-    """The shardings of ``space`` tried for ``dp`` replicas at ``tp``
+def _shardings(dp: int, space: SearchSpace) -> list[Sharding]:
+    """The shardings of ``space`` tried for ``dp`` replicas
     (:func:`~lightning_pp.planner.sharding.allowed_shardings`)."""
-    labels = allowed_shardings(space.shardings, dp, tp)
+    labels = allowed_shardings(space.shardings, dp)
     return [Sharding.parse(x, dp=dp, bucket_cap_mb=space.bucket_cap_mb) for x in labels]
 
 
@@ -752,7 +752,7 @@ def search(
         compiled: CompiledSchedule | None = None  # compiled on first use: over-memory skip it
         inflight = [inflight_profile(plan.schedule, r) for r in range(plan.pp)]
         states = state_bytes or profile_state_bytes(layers, optimizer)
-        shardings = _shardings(dp, space, tp)
+        shardings = _shardings(dp, space)
         for (split, counts), recompute in itertools.product(splits_of[shape], space.recomputes):
             laid = _with_counts(plan, counts, profile.num_layers)
             base = memory_of(laid, layers, recompute, optimizer, inflight, state_bytes=states)

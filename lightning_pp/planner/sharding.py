@@ -248,17 +248,17 @@ class Sharding:
 SHARDINGS: tuple[str, ...] = ("none", "zero=1", "zero=2", "fsdp")
 
 
-def allowed_shardings(labels: Sequence[str], dp: int, tp: int = 1) -> list[str]:
-    """Those of ``labels`` (:meth:`Sharding.parse` labels) a shape of ``dp`` replicas and
-    ``tp`` tensor-parallel ranks can run: only ``"none"`` for one replica, and no ``zero`` with
-    ``tp > 1`` (``layout.rules.check_tensor_parallel`` refuses it; ``fsdp`` shards each tp
-    rank's local tensors, so the state formulas hold on the tp shares' shapes as they stand).
+def allowed_shardings(labels: Sequence[str], dp: int) -> list[str]:
+    """Those of ``labels`` (:meth:`Sharding.parse` labels) a shape of ``dp`` replicas can run:
+    only ``"none"`` for one replica. Tensor parallelism does not narrow them: ``zero`` and
+    ``fsdp`` both cut each tp rank's local tensors, so the state formulas hold on the tp
+    shares' shapes as they stand.
 
     Example:
-        >>> allowed_shardings(SHARDINGS, dp=4, tp=2), allowed_shardings(SHARDINGS, dp=1)
-        (['none', 'fsdp'], ['none'])
+        >>> allowed_shardings(SHARDINGS, dp=4), allowed_shardings(SHARDINGS, dp=1)
+        (['none', 'zero=1', 'zero=2', 'fsdp'], ['none'])
     """
-    return [x for x in labels if dp > 1 and (tp == 1 or not x.startswith("zero"))] or ["none"]
+    return list(labels) if dp > 1 else ["none"]
 
 
 def padded_shard(numel: int, dp: int) -> int:

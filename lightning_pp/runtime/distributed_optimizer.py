@@ -16,6 +16,12 @@ parameters, an fp32 copy, the master weight, for lower-precision ones). That is 
 optimizers whose update of an element depends only on that element's own history (Adam,
 AdamW, SGD, RMSprop, ...), which is what Megatron's distributed optimizer assumes too.
 
+Tensor-parallel parameters (``DTensor`` s, ``PipelineStrategy(tp=N, zero=1)``) are sharded by
+their local part: the replicas of one tp rank split that rank's shard into rows
+(:mod:`~lightning_pp.runtime.shard_layout`), as Megatron's distributed optimizer does under
+tensor parallelism; the main parameters are plain tensors of those rows, and a checkpoint sees
+each state tensor as a ``DTensor`` over the ``(data_parallel, tensor_parallel)`` mesh.
+
 Tied weights held by several pipeline ranks (embedding and head) get a bucket of their own on
 each rank, so every copy is cut into the same rows; after the data-parallel reduce-scatter the
 copies' row gradients are summed over the tied group, as :class:`TiedParameterSync` sums whole
@@ -44,6 +50,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from .dtensor_state import local_part, match_grad_placements
 from .failure import monitored_wait
 from .grad_sync import DeferredGradSync, LaunchEvent, TiedParameterSync, _ranks
 from .shard_layout import BucketLayout, ShardMember
@@ -75,7 +82,9 @@ class ShardedGradSync(DeferredGradSync):
         tied: the rank's tied weights; their row gradients are summed over each tied group in
             :meth:`wait`, so the caller must not all-reduce them again.
         mesh: the 1-D ``DeviceMesh`` of ``group``; checkpoints then save each rank's rows as a
-            ``DTensor`` (``Shard(0)``) instead of gathering them.
+            ``DTensor`` (``Shard(0)``) instead of gathering them. With tensor-parallel
+            (``DTensor``) parameters: the 2-D ``(data_parallel, tensor_parallel)`` mesh, which
+            checkpoints need (the rows are then a piece of a tp shard).
         overlap_param_gather: leave the parameter all-gathers running after the optimizer
             step; each bucket is finished at the first forward that reads it
             (:meth:`install_gather_hooks`) or by :meth:`finish_gather`.
@@ -138,6 +147,10 @@ class ShardedGradSync(DeferredGradSync):
     def on_chunk_grads_ready(self, chunk: int) -> None:
         """Engine hook: chunk ``chunk`` has run its last backward of the step; its buckets'
         reduce-scatters start now."""
+        if self._tensor_parallel and chunk not in self._launched:
+            # the rows are cut from each gradient's local part, which must be the parameter's
+            # shard (a vocabulary-parallel embedding's gradient comes back Replicate)
+            match_grad_placements(self._chunk_params[chunk])
         if not self.enabled or chunk in self._launched:
             return
         if not self._launched:
@@ -324,24 +337,28 @@ class ShardedGradSync(DeferredGradSync):
                 [work], "in the optimizer-state all_gather of a checkpoint save", _ranks(self.group)
             )
             for m in layout.members:
-                full[id(m.param)] = layout.unpack_full(flat, m).reshape(m.param.shape).clone()
+                full[id(m.param)] = layout.unpack_full(flat, m).reshape(m.shape).clone()
         return full
 
     def as_dtensor(self, param_id: int, rows: Tensor | None) -> Tensor:
         """This rank's ``rows`` of the parameter ``param_id`` (``None``: it holds none) as the
         ``DTensor`` they are a shard of: ``Shard(0)`` over the data-parallel mesh, the
-        parameter's global shape. DCP writes each rank's rows under the parameter's name."""
-        from torch.distributed.tensor import DTensor, Shard
+        parameter's global shape. DCP writes each rank's rows under the parameter's name.
+        A tensor-parallel parameter's rows are a piece of its tp shard: see
+        :func:`_rows_placements`."""
+        from torch.distributed.tensor import DTensor
 
         member = self._members[param_id]
         p = member.param
         if rows is None:
-            rows = p.new_empty(member.local_shape, dtype=torch.float32)
+            rows = torch.empty(member.local_shape, dtype=torch.float32, device=p.device)
         full = torch.Size(p.shape) if p.dim() > 0 else torch.Size([1])
+        local_rows = rows.reshape((rows.shape[0] if rows.dim() else 1, *member.shape[1:]))
+        mesh, placements = _rows_placements(p, self.mesh)
         return DTensor.from_local(
-            rows.reshape((rows.shape[0] if rows.dim() else 1, *full[1:])),
-            self.mesh,
-            [Shard(0)],
+            local_rows,
+            mesh,
+            placements,
             run_check=False,
             shape=full,
             stride=_contiguous_stride(full),
@@ -349,21 +366,81 @@ class ShardedGradSync(DeferredGradSync):
 
     def grad_norm_skip(self, tied: TiedParameterSync) -> set[int]:
         """ids of main parameters a global norm must not count: rows of tied copies not held
-        by the tied weight's owner (the owner's rows are the same rows)."""
-        return {id(self.main[i]) for i in tied.non_owner_params() if i in self.main}
+        by the tied weight's owner (the owner's rows are the same rows), and rows of a
+        tensor-parallel parameter that its tp ranks replicate (a norm's weight), except on the
+        first of them (torchtitan#596 counted such a weight tp times)."""
+        skip = {id(self.main[i]) for i in tied.non_owner_params() if i in self.main}
+        mesh = self.mesh
+        tp_rank = mesh.get_local_rank(1) if mesh is not None and mesh.ndim == 2 else 0
+        for i, m in self._members.items():
+            if i in self.main and not _first_copy(m.param, tp_rank):
+                skip.add(id(self.main[i]))
+        return skip
 
 
 def _rows_kept(member: ShardMember, value: Any) -> Any:
     """This replica's rows of a loaded state value: the local part of the ``DTensor`` a loader
     read them into (:meth:`UnshardedOptimizerView.state_request`), or cut from a whole tensor
-    of the parameter's shape; anything else (a step count) as it is."""
-    from torch.distributed.tensor import DTensor
+    of the parameter's shape (a tensor-parallel parameter's: its tp shard first); anything else
+    (a step count) as it is."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
 
     if isinstance(value, DTensor):
         return value.to_local().reshape(member.local_shape)
     if isinstance(value, Tensor) and value.shape == member.param.shape:
+        p = member.param
+        if isinstance(p, DTensor):  # each rank slices its own shard: no communication
+            value = distribute_tensor(value, p.device_mesh, p.placements, src_data_rank=None)
         return member.local_piece(value).clone()
     return value
+
+
+def _first_copy(param: Tensor, tp_rank: int) -> bool:
+    """Whether this rank holds the first copy of its rows of ``param`` (the rows are distinct
+    over the data-parallel replicas): a ``DTensor`` replicated along a mesh dim has one copy
+    per rank of that dim; a plain tensor, one per tensor-parallel rank (``tp_rank``: this
+    rank's; 0 without tp)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(param, DTensor):
+        return tp_rank == 0
+    mesh = param.device_mesh
+    return all(
+        mesh.get_local_rank(d) == 0 for d, pl in enumerate(param.placements) if pl.is_replicate()
+    )
+
+
+def _rows_placements(param: Tensor, mesh: Any) -> tuple[Any, list[Any]]:
+    """The mesh and placements under which this rank's rows of ``param`` are a shard of the
+    whole tensor. ``mesh``: 1-D ``(data_parallel,)``, or 2-D ``(data_parallel,
+    tensor_parallel)`` for a tensor-parallel parameter, whose rows cut its tp shard: along a
+    dim the tp shard does not cut, the two cuts are independent (``Shard(0)`` over dp, the
+    parameter's own placement over tp); along dim 0 when tp cuts it too (a column-wise or
+    vocabulary-parallel weight) the dp pieces lie inside each tp piece, which is
+    ``_StridedShard(0, split_factor=tp)`` over dp (what FSDP2 gives a tp shard, the same
+    layout)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    if not isinstance(param, DTensor):  # under tp: the same rows on every tp rank
+        return mesh, [Shard(0)] if mesh is None or mesh.ndim == 1 else [Shard(0), Replicate()]
+    if mesh is None or mesh.ndim != 2:
+        raise ValueError(
+            f"a tensor-parallel parameter of shape {tuple(param.shape)} (placements "
+            f"{param.placements}) needs the 2-D (data_parallel, tensor_parallel) mesh for its "
+            f"rows, got {None if mesh is None else tuple(mesh.shape)}"
+        )
+    (tp_placement,) = param.placements
+    if isinstance(tp_placement, Replicate) or (
+        isinstance(tp_placement, Shard) and tp_placement.dim != 0
+    ):
+        return mesh, [Shard(0), tp_placement]
+    if isinstance(tp_placement, Shard):
+        return mesh, [_StridedShard(0, split_factor=mesh.size(1)), tp_placement]
+    raise ValueError(
+        f"zero cannot place rows of a tensor-parallel parameter of shape {tuple(param.shape)} "
+        f"with placements {param.placements}: only Shard or Replicate over tp"
+    )
 
 
 def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
@@ -375,13 +452,14 @@ def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
 
 
 def _main_parameter(member: ShardMember) -> nn.Parameter:
-    """This rank's rows of ``member``'s parameter as a parameter of their own: a view of the
-    rows for fp32 (the step writes the model's tensor directly), an fp32 copy for lower
-    precision (the master weight; the all-gather casts it back)."""
-    p = member.param
-    if p.dtype == torch.float32 and p.is_contiguous():
-        return nn.Parameter(member.local_piece(p.data))
-    return nn.Parameter(member.local_piece(p.data).to(torch.float32).clone())
+    """This rank's rows of ``member``'s parameter (of its tp shard, for a ``DTensor``) as a
+    parameter of their own: a view of the rows for fp32 (the step writes the model's tensor
+    directly), an fp32 copy for lower precision (the master weight; the all-gather casts it
+    back)."""
+    data = local_part(member.param.data)
+    if data.dtype == torch.float32 and data.is_contiguous():
+        return nn.Parameter(member.local_piece(data))
+    return nn.Parameter(member.local_piece(data).to(torch.float32).clone())
 
 
 class UnshardedOptimizerView:

@@ -15,6 +15,12 @@ of a shard is a DTensor's local tensor: checkpoints store it by the parameter's 
 shape, for any later ``dp``. Padding: ``c * dp - rows`` rows per parameter (none when ``dp``
 divides ``rows``).
 
+A tensor-parallel parameter (a ``DTensor``) is cut by the same rule, on its local shard: the
+data-parallel replicas of one tp rank share that shard, so its rows are what they split
+(Megatron's distributed optimizer under tp does the same: each tp rank's optimizer holds
+1/dp of its own shard). Every tensor a member reads or writes (gradients, parameter data) is
+taken by its local part.
+
 Example:
     >>> import torch
     >>> w = torch.nn.Parameter(torch.zeros(5, 3))
@@ -35,6 +41,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from .dtensor_state import local_part
+
 __all__ = ["BucketLayout", "ShardMember"]
 
 
@@ -43,6 +51,7 @@ class ShardMember:
     """One parameter of a bucket: its rows, the rows of every rank's piece, and this rank's."""
 
     param: nn.Parameter
+    shape: tuple[int, ...]  # the parameter's local shape (its tp shard's; the whole otherwise)
     rows: int  # first-dim size (1 for a scalar)
     row_numel: int  # elements per row
     chunk_rows: int  # ceil(rows / dp): every rank's slot in the flat buffer
@@ -60,12 +69,12 @@ class ShardMember:
 
     @property
     def local_shape(self) -> tuple[int, ...]:
-        rest = tuple(self.param.shape[1:]) if self.param.dim() > 0 else ()
-        return (self.hi - self.lo, *rest)
+        return (self.hi - self.lo, *self.shape[1:])
 
     def rows_view(self, tensor: Tensor) -> Tensor:
-        """``tensor`` (shaped as the parameter) as ``(rows, row_numel)``."""
-        return tensor.reshape(self.rows, self.row_numel)
+        """``tensor`` (shaped as the parameter; a ``DTensor``: its local part) as
+        ``(rows, row_numel)``."""
+        return local_part(tensor).reshape(self.rows, self.row_numel)
 
     def local_piece(self, tensor: Tensor) -> Tensor:
         """This rank's rows of ``tensor`` (shaped as the parameter), a view when it can be."""
@@ -89,17 +98,18 @@ class BucketLayout:
     @property
     def padding_numel(self) -> int:
         """Elements of the flat buffer that belong to no parameter."""
-        return self.numel - sum(m.param.numel() for m in self.members)
+        return self.numel - sum(m.rows * m.row_numel for m in self.members)
 
     @classmethod
     def build(cls, params: Sequence[nn.Parameter], dp: int, dp_rank: int) -> BucketLayout:
         members, offset = [], 0
         for p in params:
-            rows = p.shape[0] if p.dim() > 0 else 1
-            row_numel = p.numel() // rows if rows else 0
+            shape = tuple(local_part(p).shape)
+            rows = shape[0] if shape else 1
+            row_numel = math.prod(shape) // rows if rows else 0
             chunk = math.ceil(rows / dp)
             lo, hi = min(dp_rank * chunk, rows), min((dp_rank + 1) * chunk, rows)
-            members.append(ShardMember(p, rows, row_numel, chunk, lo, hi, offset))
+            members.append(ShardMember(p, shape, rows, row_numel, chunk, lo, hi, offset))
             offset += chunk * row_numel
         return cls(tuple(members), dp, dp_rank, offset)
 

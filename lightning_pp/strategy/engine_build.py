@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from ..layout.plan import PipelinePlan
 from ..layout.rank_layout import RankLayout
-from ..layout.topology import DP_DIM
+from ..layout.topology import DP_DIM, TP_DIM
 from ..runtime.distributed_optimizer import ShardedGradSync
 from ..runtime.fsdp_chunks import FsdpGradSync, shard_chunks, shared_parameters
 from ..runtime.grad_sync import DeferredGradSync, TiedParameterSync
@@ -100,7 +100,9 @@ def build_grad_sync(
             )
         return FsdpGradSync(chunks, replicated=replicated)
     if zero:
-        mesh = groups.mesh[DP_DIM] if groups.mesh is not None else None
+        mesh = None
+        if groups.mesh is not None:  # under tp the rows are pieces of tp shards: both dims
+            mesh = groups.mesh[(DP_DIM, TP_DIM)] if topo.tp > 1 else groups.mesh[DP_DIM]
         return ShardedGradSync(
             [list(c.parameters()) for c in chunks],
             layout.need_groups().dp_group,

@@ -174,8 +174,9 @@ class PipelineStrategy(ProcessGroupStrategy):
             ``1`` the optimizer state (each replica steps its 1/dp of every gradient bucket, then
             the updated parameters are all-gathered), ``2`` the gradients too (a bucket's
             full-size gradients are freed once its reduce-scatter starts). Elementwise
-            optimizers (Adam, AdamW, SGD, ...). See docs/strategy.md "Scaling past one
-            replica's memory".
+            optimizers (Adam, AdamW, SGD, ...). With ``tp > 1`` each tp rank's shard is cut
+            into rows over its replicas. See docs/strategy.md "Scaling past one replica's
+            memory".
         fsdp: FSDP2 (``fully_shard``) per chunk over the data-parallel replicas: parameters,
             gradients and optimizer state sharded (ZeRO-3). Not with ``zero``.
         reshard_after_forward: with ``fsdp``, free each chunk's gathered parameters after
@@ -616,14 +617,14 @@ class PipelineStrategy(ProcessGroupStrategy):
         squares are summed over the whole world, tied copies' rows counted once."""
         sync, tied = self.grad_sync, self.tied_sync
         topo = self.layout.need_topology()
+        if isinstance(sync, ShardedGradSync):  # rows; a tp-replicated weight's on tp rank 0
+            return clip_sharded_by_global_norm(params, max_norm, skip=sync.grad_norm_skip(tied))
         if topo.tp > 1:  # shards over tp (and dp, under fsdp): each value counted once
             skip = tied.non_owner_params()
             here = {DP_DIM: topo.dp_rank, TP_DIM: topo.tp_rank}
             # a replica's copy, a tp-replicated weight off tp rank 0
             skip.update(id(p) for p in params if not counted_once(p, here))
             return clip_sharded_by_global_norm(params, max_norm, skip=skip)
-        if isinstance(sync, ShardedGradSync):
-            return clip_sharded_by_global_norm(params, max_norm, skip=sync.grad_norm_skip(tied))
         if isinstance(sync, FsdpGradSync):
             return clip_sharded_by_global_norm(
                 params,

@@ -41,6 +41,9 @@ from lightning_pp.callbacks import (  # noqa: E402
     ModelStateMemoryMonitor,
     PipelineTimeline,
 )
+from lightning_pp.runtime.distributed_optimizer import (  # noqa: E402
+    _first_copy as _REAL_FIRST_COPY,
+)
 from lightning_pp.runtime.dtensor_state import local_part  # noqa: E402
 from lightning_pp.schedules import Op  # noqa: E402
 
@@ -181,12 +184,21 @@ def _plant_tp_norm_everywhere() -> None:
     strategy_module.counted_once = lambda param, here: counted_once(param, {**here, TP_DIM: 0})
 
 
+def _plant_zero_tp_norm_everywhere() -> None:
+    """Planted bug (torchtitan#596 under zero): the clipping's norm counts the rows of a weight
+    replicated over the tp ranks (a LayerNorm's, the position table's) on every tp rank."""
+    import lightning_pp.runtime.distributed_optimizer as zero_module
+
+    zero_module._first_copy = lambda param, tp_rank: True
+
+
 def _remove_plant() -> None:
     import lightning_pp.runtime.distributed_optimizer as zero_module
     import lightning_pp.strategy.pipeline_strategy as strategy_module
     from lightning_pp.runtime.dtensor_state import counted_once
 
     zero_module.dist = dist  # the shared worlds run other cases in this process next
+    zero_module._first_copy = _REAL_FIRST_COPY
     strategy_module.counted_once = counted_once
 
 
@@ -253,6 +265,8 @@ def run(cfg: dict, devices: int, out: str) -> None:
         _plant_summed_reduce_scatter()
     if cfg.get("plant") == "tp_norm_everywhere":
         _plant_tp_norm_everywhere()
+    if cfg.get("plant") == "zero_tp_norm_everywhere":
+        _plant_zero_tp_norm_everywhere()
     # the global gradient norm the strategy's clipping computes, per optimizer step
     norms: list[float] = []
     clip = strategy._clip
