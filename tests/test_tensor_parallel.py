@@ -289,22 +289,29 @@ def test_unmodified_hf_models_with_their_own_tp_plan_match(hf_runs, cfg):
         assert sorted(keys) == plain
 
 
-HF_FSDP = {"name": "llama_tp2_dp2_fsdp", "model": "llama", **HF, "tp": 2, "tp_plan": "auto",
-           "fsdp": True}  # fmt: skip
+HF_SHARDED = [
+    {"name": "llama_tp2_dp2_fsdp", "model": "llama", **HF, "tp": 2, "tp_plan": "auto",
+     "fsdp": True},
+    {"name": "llama_tp2_dp2_zero1", "model": "llama", **HF, "tp": 2, "tp_plan": "auto",
+     "zero": 1},
+]  # fmt: skip
 
 
-def test_an_unmodified_hf_model_trains_under_fsdp_times_tp(tmp_path):
-    """Llama with its own tp plan at pp2 x dp2 x tp2 and FSDP2 over each tp shard (8 ranks):
-    the plain Trainer's losses (1e-5) on every rank."""
+def test_an_unmodified_hf_model_trains_under_fsdp_or_zero_times_tp(tmp_path):
+    """Llama with its own tp plan at pp2 x dp2 x tp2 with FSDP2 over each tp shard, and with
+    the distributed optimizer's rows of each tp shard (8 ranks): the plain Trainer's losses
+    (1e-5) on every rank."""
     from split_common import run_reference as split_reference
 
-    argv = ["--out", str(tmp_path), "--configs", json.dumps([HF_FSDP])]
+    argv = ["--out", str(tmp_path), "--configs", json.dumps(HF_SHARDED)]
     world("trainer", 8).run(script_main, "split_run", argv, timeout=600)
-    ref = split_reference({k: v for k, v in HF_FSDP.items() if k not in ("tp", "tp_plan", "fsdp")})
-    for r in range(8):
-        d = json.loads((tmp_path / f"{HF_FSDP['name']}.rank{r}.json").read_text())
-        assert max(rel_errors(d["train"], ref["train"])) <= REL_TOL, r
-        assert max(rel_errors(d["val"], ref["val"])) <= REL_TOL, r
+    plain = {k: v for k, v in HF_SHARDED[0].items() if k not in ("tp", "tp_plan", "fsdp")}
+    ref = split_reference(plain)
+    for cfg in HF_SHARDED:
+        for r in range(8):
+            d = json.loads((tmp_path / f"{cfg['name']}.rank{r}.json").read_text())
+            assert max(rel_errors(d["train"], ref["train"])) <= REL_TOL, (cfg["name"], r)
+            assert max(rel_errors(d["val"], ref["val"])) <= REL_TOL, (cfg["name"], r)
 
 
 # ---------------------------------------------------------------------------- checkpoints
