@@ -12,6 +12,7 @@ No process is started and no large tensor allocated: the 70B model exists on the
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import re
 from pathlib import Path
@@ -37,6 +38,7 @@ from lightning_pp.planner.sharding import (
     LayerTensors,
     Sharding,
     StateBytes,
+    TiedTensor,
     bucket_numels,
     rank_state_bytes,
     shard_rows,
@@ -210,6 +212,45 @@ def test_rank_memory_sums_the_sharded_states():
     assert z1.activations == plain.activations and z1.buffers == plain.buffers
     assert z1.total == 40 + 40 + 24 + 48 + z1.activations + z1.buffers
     assert z1.state is not None and z1.state.shard_numel == 6
+
+
+def test_a_tie_held_in_two_chunks_of_one_rank_counts_once():
+    """V placement puts the tied embedding (layer 0) and head (layer 3) on pipeline rank 0: one
+    tensor there, so its parameter, gradient and optimizer state count once (and FSDP2 leaves
+    it whole); under 1f1b each of two ranks holds a copy. Both the exact path (shapes with
+    TiedTensor) and the search's per-layer counts (LayerCost.tied)."""
+    emb = [TiedTensor((6, 100), 0), (4, 100)]  # 600 tied + 400 own
+    layers: list[LayerTensors] = [emb, [(10, 100)], [(10, 100)], [TiedTensor((6, 100), 0)]]
+    zbv = PipelinePlan.build(pp=2, schedule="zbv", microbatches=4, world_size=4, num_layers=4)
+    one = PipelinePlan.build(pp=2, microbatches=4, world_size=4, num_layers=4)
+    assert sharded_state_bytes(zbv, layers, 0, dp=1).numel == 1000  # not 1600
+    assert sharded_state_bytes(zbv, layers, 1, dp=1).numel == 2000
+    assert sharded_state_bytes(one, layers, 1, dp=1).numel == 1600  # its own copy
+    z1 = sharded_state_bytes(zbv, layers, 0, zero=1, dp=2)
+    assert (z1.numel, z1.shard_numel) == (1000, 500)
+    # fsdp: the tie spans two local chunks, so FSDP2 leaves it whole (600 on each replica)
+    fsdp = sharded_state_bytes(zbv, layers, 0, fsdp=True, dp=2)
+    assert (fsdp.shard_numel, fsdp.params_at_step) == (200 + 600, 4 * 800)
+    assert fsdp.params == 4 * (800 + 400)  # the gathered 400; the whole 600 is never gathered
+    # the search's counts: the same rank 0, from each layer's tied elements
+    cost = LayerCost(0, 0, 0, param_bytes=4000, params=1000, input_bytes=8, boundary_bytes=8)
+    tied = dataclasses.replace(cost, params=1000, tied=((0, 600),))
+    head = dataclasses.replace(cost, params=600, param_bytes=2400, tied=((0, 600),))
+    mem = rank_memory(zbv.schedule, 0, [[tied], [head]])
+    assert mem.params == 4 * 1000
+    untied = rank_memory(zbv.schedule, 0, [[dataclasses.replace(tied, tied=())], [head]])
+    assert untied.params == 4 * 1600
+
+
+def test_the_profile_records_each_layers_tied_members():
+    from lightning_pp.models import GPT
+    from lightning_pp.planner.profiler import tied_members
+
+    model = GPT(vocab_size=32, n_layer=2, n_head=2, n_embd=8, block_size=8)
+    model.configure_model()
+    layers = model.pipeline_layers()
+    got = tied_members([layers[i] for i in range(layers.num_layers)], layers.tied)
+    assert got == {0: ((0, 32 * 8),), layers.num_layers - 1: ((0, 32 * 8),)}
 
 
 def test_compare_shardings_on_a_plan():

@@ -185,7 +185,7 @@ def tp_shares(
 
     from lightning_pp.commands.config import instantiate
     from lightning_pp.layout.rules import PreflightError
-    from lightning_pp.planner.meta_profile import example_input, meta_layers
+    from lightning_pp.planner.meta_profile import example_input, meta_layers, tied_groups
     from lightning_pp.planner.tensor_parallel import (
         TP_CANDIDATES,
         check_model_tp,
@@ -219,7 +219,7 @@ def tp_shares(
             if x0 is None:
                 x0 = example_input(module, cfg.get("data"), 1, instantiate)
             cast = [layer.to(dtype) for layer in layers] if dtype is not None else layers
-            shares[tp] = tp_layers(cast, styles, x0, tp)
+            shares[tp] = tp_layers(cast, styles, x0, tp, tied_groups(module))
         except Exception as err:  # a data module or layer that cannot run on meta: say which
             notes.append(f"tp={tp}: not measured on the meta device ({type(err).__name__}: {err})")
             continue

@@ -67,6 +67,7 @@ from .sharding import (
     ShardedState,
     Sharding,
     StateBytes,
+    TiedTensor,
     rank_state_bytes,
 )
 
@@ -81,6 +82,7 @@ __all__ = [
     "chunk_saved_bytes",
     "chunk_w_bytes",
     "chunk_w_refilled_bytes",
+    "cost_tensors",
     "peak_activation_bytes",
     "profile_state_bytes",
     "rank_memory",
@@ -89,6 +91,21 @@ __all__ = [
 
 #: optimizer state bytes per parameter (fp32 states): adam/adamw 8, sgd-momentum 4, sgd 0
 OPTIMIZER_BYTES: dict[str, int] = {name: 4 * n for name, n in OPTIMIZER_STATES.items()}
+
+
+def cost_tensors(cost: LayerCost) -> LayerTensors:
+    """A profiled layer's parameters as :func:`~lightning_pp.planner.sharding.rank_state_bytes`
+    takes them: one count, its tied members (``cost.tied``) apart, so that a rank holding two
+    members of one group counts that tensor once.
+
+    Example:
+        >>> cost_tensors(LayerCost(0, 0, 0, params=10, tied=((0, 6),)))
+        [4, TiedTensor(spec=6, group=0)]
+    """
+    if not cost.tied:
+        return cost.params
+    rest = cost.params - sum(n for _, n in cost.tied)
+    return [rest, *(TiedTensor(n, g) for g, n in cost.tied)]
 
 
 def chunk_saved_bytes(layers: Sequence[LayerCost]) -> int:
@@ -267,7 +284,7 @@ def rank_memory(
         raise ValueError(f"unknown optimizer {optimizer!r}; known: {sorted(OPTIMIZER_BYTES)}")
     layers = [c for chunk in chunks for c in chunk]
     if chunk_tensors is None:
-        chunk_tensors = [[c.params for c in chunk] for chunk in chunks]
+        chunk_tensors = [[cost_tensors(c) for c in chunk] for chunk in chunks]
     state = rank_state_bytes(
         chunk_tensors, sharding, state_bytes or profile_state_bytes(layers, optimizer)
     )

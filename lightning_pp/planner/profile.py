@@ -70,7 +70,9 @@ class LayerCost:
     ``input_self_w_saved_bytes``, the same corrections): the part of ``saved_bytes`` that a
     split backward keeps from ``I`` to ``W`` outside the first stage (what ``W``'s nodes read
     again: a Linear's input, not a GELU's; :mod:`lightning_pp.runtime.saved_for_w`). ``None`` (a
-    profile from before they were measured): all of it.
+    profile from before they were measured): all of it. ``tied``: ``(group, elements)`` of each
+    member of a tied group (``PipelineLayers.tied``) among ``params``: a rank holding two
+    members of one group holds one tensor (V placement's embedding and head).
 
     Example:
         >>> LayerCost(t_f=1.0, t_i=1.0, t_w=2.0).scaled(2).t_w
@@ -94,6 +96,11 @@ class LayerCost:
     input_w_saved_bytes: int | None = None
     input_self_w_saved_bytes: int | None = None
     t_fused: float | None = None
+    tied: tuple[tuple[int, int], ...] = ()
+
+    def __post_init__(self) -> None:
+        # JSON gives lists; the normal form is tuples (hashable, comparable)
+        object.__setattr__(self, "tied", tuple((int(g), int(n)) for g, n in self.tied))
 
     @property
     def t_b(self) -> float:

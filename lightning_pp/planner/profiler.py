@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 from ..layout.partition import PipelineChunk
+from ..layout.placement import split_layer_name
 from ..runtime.recompute_probe import measure_chunk
 from ..runtime.split_backward import backward_input, fused_backward
 from .profile import LayerCost, ModelProfile
@@ -327,6 +328,29 @@ def _repeat_to(x: Any, n: int) -> Any:
     raise TypeError(f"cannot profile a first-layer input of type {type(x).__name__}")
 
 
+def tied_members(
+    layers: Sequence[nn.Module], tied: Sequence[Sequence[str]]
+) -> dict[int, tuple[tuple[int, int], ...]]:
+    """Per layer index, ``(group, elements)`` of each member of a ``tied`` group
+    (``PipelineLayers.tied`` names, ``"0.wte.weight"``) it holds: the layer's trainable
+    parameter of that name, on whatever device (meta included) and cut (a tp-local layer: its
+    local elements).
+
+    Example:
+        >>> layers = [nn.Embedding(4, 2), nn.Linear(2, 4, bias=False)]
+        >>> tied_members(layers, [("0.weight", "1.weight")])
+        {0: ((0, 8),), 1: ((0, 8),)}
+    """
+    out: dict[int, list[tuple[int, int]]] = {}
+    for g, names in enumerate(tied):
+        for name in names:
+            i, rest = split_layer_name(name)
+            p = dict(layers[i].named_parameters()).get(rest) if 0 <= i < len(layers) else None
+            if p is not None and p.requires_grad:
+                out.setdefault(i, []).append((g, p.numel()))
+    return {i: tuple(v) for i, v in out.items()}
+
+
 def profile_model(
     model: nn.Module,
     example_batch: Any,
@@ -348,6 +372,12 @@ def profile_model(
     by_size = profile_layers(
         layers, lambda n: _repeat_to(x0, n), sizes, repeats=repeats, log=log, clock=clock
     )
+    tied = tied_members(layers, getattr(layers_container, "tied", ()))
+    if tied:
+        by_size = {
+            n: [dataclasses.replace(c, tied=tied.get(i, ())) for i, c in enumerate(costs)]
+            for n, costs in by_size.items()
+        }
     device = first.device.type
     return ModelProfile(
         by_size,
@@ -377,7 +407,7 @@ def config_hash(cfg: Any, threads: int = 0) -> str:
             "accelerator": (cfg.get("trainer") or {}).get("accelerator"),
             "threads": threads,
             # 2: per-layer bytes kept from I to W (LayerCost.w_*); older caches lack them
-            "profile_format": 3,  # 3: t_fused measured
+            "profile_format": 4,  # 3: t_fused measured; 4: LayerCost.tied
         },
         sort_keys=True,
         default=str,

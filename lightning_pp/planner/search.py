@@ -88,7 +88,7 @@ from ..schedules import (
 )
 from ..schedules.auto import POLICIES
 from .fastsim import CompiledSchedule
-from .memory import RankMemory, profile_state_bytes, rank_memory, with_states
+from .memory import RankMemory, cost_tensors, profile_state_bytes, rank_memory, with_states
 from .profile import LayerCost, ModelProfile
 from .recompute import inflight_profile
 from .sharding import (
@@ -384,7 +384,7 @@ def memory_variants(
     activations and buffers stay, the training states are recomputed (cheap next to the
     activation analysis, which is done once per shape)."""
     chunks = _rank_chunks(plan, layers)
-    tensors = [[[c.params for c in chunk] for chunk in rank] for rank in chunks]
+    tensors = [[[cost_tensors(c) for c in chunk] for chunk in rank] for rank in chunks]
     return [
         tuple(with_states(m, rank_state_bytes(t, s, state_bytes)) for m, t in zip(base, tensors))
         for s in shardings

@@ -357,6 +357,9 @@ class TpLayer:
     #: :func:`sequence_cuts`)
     input_cut: bool = False
     output_cut: bool = False
+    #: ``(group, elements on one tp rank)`` of each tied member the layer holds (see
+    #: ``LayerCost.tied``)
+    tied: tuple[tuple[int, int], ...] = ()
 
     @property
     def param_ratio(self) -> float:
@@ -436,13 +439,18 @@ def tp_layers(
     styles: Sequence[Mapping[str, TpStyle]],
     x0: Any,
     tp: int,
+    tied: Sequence[Sequence[str]] = (),
 ) -> list[TpLayer]:
     """Every layer's :class:`TpLayer` at ``tp``, measured on the meta device from ``x0`` (the
-    first layer's input for ONE sample, on meta)."""
+    first layer's input for ONE sample, on meta); ``tied``: the model's tied groups
+    (``PipelineLayers.tied``), whose members' local elements each layer records."""
     from .meta_profile import FlashAttentionOnMeta, meta_layer_costs
+    from .profiler import tied_members
 
     whole = meta_layer_costs(list(layers), x0)
-    local = meta_layer_costs(local_layers(layers, styles, tp), x0) if tp > 1 else whole
+    cut = local_layers(layers, styles, tp)
+    local = meta_layer_costs(cut, x0) if tp > 1 else whole
+    members = tied_members(cut, tied)
     inputs: list[tuple[Any, ...]] = []
     hooks = [m.register_forward_pre_hook(lambda _m, a: inputs.append(a)) for m in layers]
     try:
@@ -455,10 +463,12 @@ def tp_layers(
             h.remove()
     out = []
     cuts = sequence_cuts(styles)
-    for layer, s, w, loc, args, cut in zip(layers, styles, whole, local, inputs, cuts):
+    for i, (layer, s, w, loc, args, seq) in enumerate(
+        zip(layers, styles, whole, local, inputs, cuts)
+    ):
         comm = _collective_bytes(layer, s, args) if tp > 1 else ((), (), ())
         ratio = loc.saved_bytes / w.saved_bytes if w.saved_bytes else 1.0
-        out.append(TpLayer(tp, loc.params, w.params, ratio, *comm, *cut))
+        out.append(TpLayer(tp, loc.params, w.params, ratio, *comm, *seq, members.get(i, ())))
     return out
 
 
@@ -522,6 +532,7 @@ def tp_layer_cost(
         t_w=cost.t_w * r,
         t_fused=None if cost.t_fused is None else cost.t_fused * r + bwd,
         params=t.params,
+        tied=t.tied,  # the members' local elements (none recorded: counted per layer)
         param_bytes=round(cost.param_bytes * r),
         saved_bytes=round(cost.saved_bytes * s),
         shared_bytes=round(cost.shared_bytes * s),
