@@ -218,6 +218,19 @@ def test_split_free_ab_script():
     assert out["chunks_freed"]["retained"] and not any(out["chunks_freed"]["retained"])
 
 
+def test_first_step_costs_script():
+    """benchmarks/first_step_costs.py: each step's zb-auto costs on the virtual device, every
+    (pp rank, chunk) of zbv at p=4 measured with its F, I and W."""
+    from benchmarks import first_step_costs
+
+    rows = first_step_costs.main(["--workload", "sleep", "--steps", "2"])["sleep"]
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert len(r["chunks"]) == 4 * 2 and r["overhead_s"] >= 0
+        # rank 0's chunk 0 holds stage 0, which has no input gradient: only its W is its work
+        assert all(v[0] > 0 and v[3] > 0 for v in r["chunks"].values())
+
+
 def _bare_worker(rank: int, world: int) -> dict:
     """One step of ours and of the bare executor per schedule, same layers and data: losses and
     every local parameter gradient."""

@@ -48,7 +48,7 @@ FOUR = [
     {"name": "zbv_pp4", "pp": 4, "microbatches": 8, "accumulate": 1, "schedule": "zbv"},
     {"name": "zbv_pp2_dp2_acc2", "pp": 2, "microbatches": 4, "accumulate": 2, "schedule": "zbv"},
     {"name": "zbh1_pp2_dp2", "pp": 2, "microbatches": 2, "accumulate": 1, "schedule": "zb-h1"},
-    # zb-auto: rebuilt from the first step's measured costs, V placement, tied weight on rank 0
+    # zb-auto: rebuilt from the second step's measured costs, V placement, tied weight on rank 0
     {"name": "zbauto_pp2_dp2", "pp": 2, "microbatches": 4, "accumulate": 1, "schedule": "zb-auto"},
 ]
 # Lightning's own launcher (python script.py with Trainer(devices=2)): one configuration
@@ -210,16 +210,17 @@ def test_tied_copies_bitwise_equal_after_training(four_proc, cfg):
 
 
 def test_zb_auto_rebuilt_from_measured_costs(four_proc):
-    """schedule="zb-auto": after the first (profiling) step every rank runs the schedule built
-    from the measured costs (the engine's, which its step records carry: the bubble monitor
-    compares against it), and the costs cover every (pp rank, chunk); training matched the
-    single-process reference (test_four_processes_match_single_process)."""
+    """schedule="zb-auto": after the second (profiling) step, the first having warmed up, every
+    rank runs the schedule built from the measured costs (the engine's, which its step records
+    carry: the bubble monitor compares against it), and the costs cover every (pp rank, chunk);
+    training matched the single-process reference (test_four_processes_match_single_process)."""
     ranks = four_proc["zbauto_pp2_dp2"]
     for d in ranks:
         auto = d["auto_schedule"]
         assert auto is not None, f"rank {d['rank']}: no rebuild"
         assert auto["plan_has_it"]
         assert auto["overrides"] == 2 * 2  # pp=2 ranks x 2 chunks (V placement)
+        assert auto["step"] == 2
         assert "zb-auto (V placement" in auto["text"] and "zbv" in auto["text"]
     # one order for all replicas: the same summary everywhere (built from the same numbers)
     assert len({d["auto_schedule"]["text"] for d in ranks}) == 1

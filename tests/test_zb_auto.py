@@ -180,6 +180,25 @@ def test_build_schedule_and_describe():
 
 
 @pytest.mark.quick
+@pytest.mark.quick
+def test_measured_costs_are_each_ops_typical_action_not_its_mean():
+    """The strategy's rebuild reads one step's actions per (pp rank, chunk, op): a single slow
+    one (a cold cache, a descheduled process) must not move the cost zb-auto is built from."""
+    from lightning_pp.runtime.records import StepEvent, StepRecord
+    from lightning_pp.strategy.auto_schedule import measured_auto_costs
+
+    s = build_schedule("zb-h1", pp=1, microbatches=4)
+    t = {Op.F: 1.0, Op.I: 2.0, Op.W: 3.0}
+    events, slow = [], True
+    for a in s.ranks[0]:
+        took = 9.0 if (a.op == Op.F and slow) else t[a.op]
+        slow = slow and a.op != Op.F
+        events.append(StepEvent(a, 0.0, took + 0.5, layers=took))
+    costs = measured_auto_costs([StepRecord(0, 0, s, 0.0, events)])
+    assert costs.overrides[(0, 0)] == (1.0, 5.0, 2.0, 3.0)  # the mean F would be 3.0
+    assert costs.overhead == 0.5
+
+
 def test_cli_text_and_json(capsys):
     assert main(["schedule", "--schedule", "zb-auto", "--pp", "4", "--microbatches", "8",
                  "--costs", "t_f=1,t_i=1.5,t_w=0.5"]) == 0  # fmt: skip

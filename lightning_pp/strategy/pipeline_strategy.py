@@ -80,7 +80,7 @@ from ..runtime.grad_sync import DeferredGradSync, TiedParameterSync
 from ..runtime.recompute import select_targets, selective_units
 from ..schedules import chunks_per_rank
 from . import eval_step
-from .auto_schedule import rebuild_from_first_step
+from .auto_schedule import PROFILE_STEP, rebuild_from_step
 from .engine_build import (
     LossScale,
     build_engine,
@@ -124,7 +124,7 @@ class PipelineStrategy(ProcessGroupStrategy):
             pipeline; raise it to shrink the bubble ``(pp - 1) / (vpp * m)``).
         schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved"``, or the zero-bubble ``"zb-h1"``
             (vpp 1) and ``"zbv"`` (exactly 2 chunks per rank in V placement), or ``"zb-auto"``
-            (computed from costs measured on the first batch; V placement by default, loop
+            (computed from costs measured on the second batch; V placement by default, loop
             for ``vpp=1``; see :mod:`lightning_pp.strategy.auto_schedule`); default
             ``"1f1b"`` when ``vpp`` is unset or 1 and ``"interleaved"`` otherwise.
         partition: ``"uniform"``, ``"parameters"``, ``"cost"`` or a list of per-stage layer counts.
@@ -300,8 +300,9 @@ class PipelineStrategy(ProcessGroupStrategy):
         self.loss_scale = LossScale()
         self._train: TrainStep | None = None
         self._recompute_plan: Any = None
-        #: schedule="zb-auto": the schedule rebuilt from the first step's costs (auto_schedule)
+        #: schedule="zb-auto": the schedule rebuilt from measured costs (auto_schedule)
         self.auto_schedule: Any = None
+        self._auto_steps = 0  # zb-auto: training steps run before the rebuild
         self._eval: eval_step.ForwardOnly | None = None
         self._unclipped_precision: Precision | None = None
         #: under ``fsdp``: parameters FSDP2 leaves whole (shared by two local chunks)
@@ -644,8 +645,11 @@ class PipelineStrategy(ProcessGroupStrategy):
         self.last_record = self._train.record
         self._recompute_plan = self._train.recompute_plan or self._recompute_plan
         if self.schedule_name == "zb-auto" and self.auto_schedule is None and self.last_record:
-            # the first step was the profiling step: rebuild the order from its measured costs
-            self.auto_schedule = rebuild_from_first_step(self.engine, self.layout, self.last_record)
+            self._auto_steps += 1
+            if self._auto_steps >= PROFILE_STEP:  # the profiling step (the first warms up)
+                self.auto_schedule = rebuild_from_step(
+                    self.engine, self.layout, self.last_record, step=self._auto_steps
+                )
         return loss
 
     # ------------------------------------------------------------------ evaluation, prediction

@@ -357,7 +357,7 @@ def run(cfg: dict, devices: int, out: str) -> None:
             "grad_norm": norms,
             "sharding": _sharding(strategy),
             "mesh": _mesh(strategy, model),
-            # schedule="zb-auto": what the first step's measured costs rebuilt (else None)
+            # schedule="zb-auto": what the profiling step's measured costs rebuilt (else None)
             "auto_schedule": None
             if strategy.auto_schedule is None
             else {
@@ -366,6 +366,7 @@ def run(cfg: dict, devices: int, out: str) -> None:
                 "plan_has_it": getattr(strategy.plan, "schedule", None)
                 is strategy.auto_schedule.schedule,
                 "overrides": len(strategy.auto_schedule.costs.overrides),
+                "step": strategy.auto_schedule.step,
             },
         },
     )
