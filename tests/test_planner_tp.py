@@ -270,25 +270,18 @@ def test_search_tries_tp_where_the_world_allows_with_every_sharding():
     assert "tp2" in two.candidate.shape
     strategy = chosen_config({"strategy": {}}, two, world=8)["strategy"]
     assert strategy["tp"] == 2 and strategy["zero"] == 0
-    # fsdp at tp 2 (dp 2): the tp share's optimizer state split over the two replicas
-    sharded = next(
-        p for p in result.ranked
-        if (p.candidate.tp, p.candidate.pp, p.candidate.microbatches) == (2, 2, 2)
-        and p.candidate.sharding_label == "fsdp" and p.candidate.schedule == "1f1b"
-    )  # fmt: skip
-    assert sharded.heaviest.optimizer * 2 == two.heaviest.optimizer
-    strategy = chosen_config({"strategy": {}}, sharded, world=8)["strategy"]
-    assert (strategy["tp"], strategy["fsdp"], strategy["zero"]) == (2, True, 0)
-    # zero=1 at tp 2 (dp 2): the moments split as fsdp's, the parameters and gradients whole
-    rows = next(
-        p for p in result.ranked
-        if (p.candidate.tp, p.candidate.pp, p.candidate.microbatches) == (2, 2, 2)
-        and p.candidate.sharding_label == "zero=1" and p.candidate.schedule == "1f1b"
-    )  # fmt: skip
-    assert rows.heaviest.optimizer * 2 == two.heaviest.optimizer
-    assert rows.heaviest.params == two.heaviest.params
-    strategy = chosen_config({"strategy": {}}, rows, world=8)["strategy"]
-    assert (strategy["tp"], strategy["fsdp"], strategy["zero"]) == (2, False, 1)
+    # fsdp and zero=1 at tp 2 (dp 2): the tp share's optimizer state split over the two
+    # replicas; under zero the parameters stay whole tp shares
+    for label, fsdp, zero in (("fsdp", True, 0), ("zero=1", False, 1)):
+        sharded = next(
+            p for p in result.ranked
+            if (p.candidate.tp, p.candidate.pp, p.candidate.microbatches) == (2, 2, 2)
+            and p.candidate.sharding_label == label and p.candidate.schedule == "1f1b"
+        )  # fmt: skip
+        assert sharded.heaviest.optimizer * 2 == two.heaviest.optimizer
+        assert zero == 0 or sharded.heaviest.params == two.heaviest.params
+        strategy = chosen_config({"strategy": {}}, sharded, world=8)["strategy"]
+        assert (strategy["tp"], strategy["fsdp"], strategy["zero"]) == (2, fsdp, zero)
     plain = search(_profile(), world=8, global_batch=16, space=SearchSpace(recomputes=(None,)))
     assert {p.candidate.tp for p in plain.ranked} == {1}
 
