@@ -253,6 +253,62 @@ def test_the_plans_tp_prediction_is_within_2_percent_of_the_measured_bytes(runs,
 
 
 # ---------------------------------------------------------------------------- split= (HF)
+@pytest.mark.parametrize("name", ["tp2_1f1b", "tp2_sp_1f1b"])
+def test_the_plans_activation_prediction_is_the_measured_saved_bytes(runs, name):
+    """What ``lightning-pp plan`` predicts for one tp rank's activations (the meta measurement
+    of the tp-local layers, 1F1B's in-flight microbatches; under sequence parallelism the
+    stage boundary and what the norms save at ``T / tp``, planner.tensor_parallel
+    .sequence_saved_bytes) against the peak ActivationMemoryMonitor measured from the saved
+    tensors' storages, on every rank: equal, byte for byte."""
+    from pp_common import BLOCK, GLOBAL_BATCH, MODEL_KW
+
+    from lightning_pp.models.decoder import DecoderLM
+    from lightning_pp.planner.meta_profile import (
+        layers_tensor_shapes,
+        meta_layer_costs,
+        meta_layers,
+        tied_groups,
+    )
+    from lightning_pp.planner.plan_memory import plan_memory
+    from lightning_pp.planner.sharding import Sharding, StateBytes
+    from lightning_pp.planner.tensor_parallel import (
+        cut_along_sequence,
+        local_layers,
+        record_tp_styles,
+        sequence_saved_bytes,
+    )
+
+    cfg = next(c for c in WORLD4 if c["name"] == name)
+    sp = cfg["model"] == "decoder-sp"
+    with torch.device("meta"):
+        model = DecoderLM(**MODEL_KW, sequence_parallel=sp)
+        model.configure_model()
+    layers = meta_layers(model)
+    styles = record_tp_styles(model, layers, cfg["tp"])
+    assert styles is not None
+    local = local_layers(layers, styles, cfg["tp"])
+    tokens = torch.zeros(GLOBAL_BATCH // cfg["microbatches"], BLOCK, dtype=torch.long)
+    x0 = tokens.to("meta")
+    costs = meta_layer_costs(local, x0)
+    if sp:
+        costs = cut_along_sequence(
+            costs, styles, cfg["tp"], sequence_saved_bytes(local, styles, x0)
+        )
+    plan = PipelinePlan.build(
+        pp=cfg["pp"],
+        world_size=len(runs[name]),
+        tp=cfg["tp"],
+        microbatches=cfg["microbatches"],
+        num_layers=len(layers),
+    )
+    tensors = layers_tensor_shapes(local, tied_groups(model))
+    predicted = [
+        r.activations for r in plan_memory(plan, tensors, costs, StateBytes(), Sharding()).ranks
+    ]
+    for d in runs[name]:
+        assert d["saved_bytes"] == predicted[d["pp_rank"]], (name, d["rank"], predicted)
+
+
 @pytest.fixture(scope="module")
 def hf_runs(tmp_path_factory) -> dict[str, list[dict]]:
     out = tmp_path_factory.mktemp("tp_hf")

@@ -110,6 +110,7 @@ def _measure(
         cut_along_sequence,
         local_layers,
         record_tp_styles,
+        sequence_saved_bytes,
     )
 
     if module is None or not callable(getattr(module, "pipeline_layers", None)):
@@ -137,9 +138,10 @@ def _measure(
     dtype = _param_dtype(state)
     try:
         x0 = example_input(module, cfg.get("data"), size, instantiate)
-        costs = meta_layer_costs([layer.to(dtype) for layer in layers], x0)
+        cast = [layer.to(dtype) for layer in layers]
+        costs = meta_layer_costs(cast, x0)
         if cut:
-            costs = cut_along_sequence(costs, cut, tp)
+            costs = cut_along_sequence(costs, cut, tp, sequence_saved_bytes(cast, cut, x0))
     except Exception as err:  # a data module or layer that cannot run on meta: say which
         return tensors, None, f"{type(err).__name__}: {err}"
     how = f"microbatch of {size} sample(s), {str(dtype).split('.')[-1]}"

@@ -463,11 +463,15 @@ def tp_layers(
             h.remove()
     out = []
     cuts = sequence_cuts(styles)
+    sequenced = any(st.kind == "sequence" for s in styles for st in s.values())
+    norms = sequence_saved_bytes(cut, styles, x0) if tp > 1 and sequenced else [0] * len(cut)
     for i, (layer, s, w, loc, args, seq) in enumerate(
         zip(layers, styles, whole, local, inputs, cuts)
     ):
         comm = _collective_bytes(layer, s, args) if tp > 1 else ((), (), ())
-        ratio = loc.saved_bytes / w.saved_bytes if w.saved_bytes else 1.0
+        # sequence parallelism: the norms save T / tp positions (see cut_along_sequence)
+        saved = loc.saved_bytes - (norms[i] - -(-norms[i] // tp))
+        ratio = saved / w.saved_bytes if w.saved_bytes else 1.0
         out.append(TpLayer(tp, loc.params, w.params, ratio, *comm, *seq, members.get(i, ())))
     return out
 
@@ -488,21 +492,107 @@ def sequence_cuts(styles: Sequence[Mapping[str, TpStyle]]) -> list[tuple[bool, b
 
 
 def cut_along_sequence(
-    costs: Sequence[LayerCost], styles: Sequence[Mapping[str, TpStyle]], tp: int
+    costs: Sequence[LayerCost],
+    styles: Sequence[Mapping[str, TpStyle]],
+    tp: int,
+    norm_saved: Sequence[int] | None = None,
 ) -> list[LayerCost]:
-    """``costs`` (one tp rank's layers, measured with whole sequences) with the inputs and
-    outputs that sequence parallelism cuts (:func:`sequence_cuts`) at ``1 / tp``: the stage
-    boundary, every P2P message and the stashed stage inputs. The saved activations inside a
-    layer are left as measured (an upper bound: the norms' inputs shrink too)."""
-    return [_cut(cost, tp, *cut) for cost, cut in zip(costs, sequence_cuts(styles))]
+    """``costs`` (one tp rank's layers, measured with whole sequences) with what sequence
+    parallelism cuts at ``1 / tp``: the inputs and outputs :func:`sequence_cuts` names (the
+    stage boundary, every P2P message and the stashed stage inputs, and the part of an input
+    the layer saves), and, given ``norm_saved`` (:func:`sequence_saved_bytes`), what the norms
+    save for backward (their inputs and statistics hold ``T / tp`` positions; what ``W``
+    keeps of them too, a norm's weight gradient reads both). Without ``norm_saved`` the saved
+    activations inside a layer are left as measured, an upper bound."""
+    out = []
+    for i, (cost, cut) in enumerate(zip(costs, sequence_cuts(styles))):
+        local = _cut(cost, tp, *cut)
+        if norm_saved is not None and norm_saved[i]:
+            less = norm_saved[i] - -(-norm_saved[i] // tp)
+
+            def minus(x: int | None, less: int = less) -> int | None:
+                return None if x is None else max(0, x - less)
+
+            local = dataclasses.replace(
+                local,
+                saved_bytes=max(0, local.saved_bytes - less),
+                w_saved_bytes=minus(local.w_saved_bytes),
+            )
+        out.append(local)
+    return out
+
+
+def sequence_saved_bytes(
+    layers: Sequence[nn.Module], styles: Sequence[Mapping[str, TpStyle]], x0: Any
+) -> list[int]:
+    """Per layer, the bytes saved for backward inside its ``sequence``-styled modules (the
+    norms under sequence parallelism), measured on the meta device from ``x0`` (the first
+    layer's input, whole sequences): the part of the layer's saved activations that sequence
+    parallelism cuts by ``tp``. Parameters are not counted; a storage once.
+
+    Example:
+        >>> norm = nn.Sequential(nn.LayerNorm(4), nn.Linear(4, 4)).to("meta")
+        >>> x = torch.zeros(2, 3, 4, device="meta")
+        >>> sequence_saved_bytes([norm], [{"0": TpStyle("sequence")}], x)  # input + mean + rstd
+        [144]
+    """
+    from .meta_profile import FlashAttentionOnMeta, _fresh_meta, _meta_key
+
+    key, exclude = _meta_key()
+    exclude(layers)
+    out: list[int] = []
+    x = _fresh_meta(x0)
+    for layer, style in zip(layers, styles):
+        inside = [0]
+        seen: dict[Any, int] = {}
+
+        def pack(t: torch.Tensor, inside: list[int] = inside, seen: dict = seen) -> torch.Tensor:
+            k = key(t) if inside[0] else None
+            if k is not None:
+                seen[k[0]] = k[1]
+            return t
+
+        handles = []
+        for name, st in style.items():
+            if st.kind != "sequence":
+                continue
+            mod = layer.get_submodule(name)
+            handles.append(mod.register_forward_pre_hook(lambda *_a, c=inside: _step(c, 1)))
+            handles.append(mod.register_forward_hook(lambda *_a, c=inside: _step(c, -1)))
+        try:
+            with FlashAttentionOnMeta(), torch.enable_grad():
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    x = layer(x)
+        finally:
+            for h in handles:
+                h.remove()
+        out.append(sum(seen.values()))
+        x = _fresh_meta(x)
+    return out
+
+
+def _step(counter: list[int], by: int) -> None:
+    counter[0] += by
 
 
 def _cut(cost: LayerCost, tp: int, cut_in: bool, cut_out: bool) -> LayerCost:
-    """``cost`` with its input (``cut_in``) and output (``cut_out``) at ``ceil(1 / tp)``."""
+    """``cost`` with its input (``cut_in``; with it the part of the input the layer or the
+    previous one saves) and output (``cut_out``) at ``ceil(1 / tp)``."""
+
+    def cut(x: int | None, yes: bool) -> int | None:
+        return None if x is None else (-(-x // tp) if yes else x)
+
     return dataclasses.replace(
         cost,
         input_bytes=-(-cost.input_bytes // tp) if cut_in else cost.input_bytes,
         boundary_bytes=-(-cost.boundary_bytes // tp) if cut_out else cost.boundary_bytes,
+        input_shared_bytes=-(-cost.input_shared_bytes // tp) if cut_in else cost.input_shared_bytes,
+        input_saved_bytes=-(-cost.input_saved_bytes // tp) if cut_in else cost.input_saved_bytes,
+        input_self_saved_bytes=-(-cost.input_self_saved_bytes // tp)
+        if cut_in
+        else cost.input_self_saved_bytes,
+        input_w_saved_bytes=cut(cost.input_w_saved_bytes, cut_in),
+        input_self_w_saved_bytes=cut(cost.input_self_w_saved_bytes, cut_in),
     )
 
 
