@@ -263,25 +263,18 @@ def test_the_plans_activation_prediction_is_the_measured_saved_bytes(runs, name)
     from pp_common import BLOCK, GLOBAL_BATCH, MODEL_KW
 
     from lightning_pp.models.decoder import DecoderLM
-    from lightning_pp.planner.meta_profile import (
-        layers_tensor_shapes,
-        meta_layer_costs,
-        meta_layers,
-        tied_groups,
-    )
+    from lightning_pp.planner.meta_profile import layers_tensor_shapes, meta_layers, tied_groups
     from lightning_pp.planner.plan_memory import plan_memory
     from lightning_pp.planner.sharding import Sharding, StateBytes
     from lightning_pp.planner.tensor_parallel import (
-        cut_along_sequence,
+        local_layer_costs,
         local_layers,
         record_tp_styles,
-        sequence_saved_bytes,
     )
 
     cfg = next(c for c in WORLD4 if c["name"] == name)
-    sp = cfg["model"] == "decoder-sp"
     with torch.device("meta"):
-        model = DecoderLM(**MODEL_KW, sequence_parallel=sp)
+        model = DecoderLM(**MODEL_KW, sequence_parallel=cfg["model"] == "decoder-sp")
         model.configure_model()
     layers = meta_layers(model)
     styles = record_tp_styles(model, layers, cfg["tp"])
@@ -289,11 +282,7 @@ def test_the_plans_activation_prediction_is_the_measured_saved_bytes(runs, name)
     local = local_layers(layers, styles, cfg["tp"])
     tokens = torch.zeros(GLOBAL_BATCH // cfg["microbatches"], BLOCK, dtype=torch.long)
     x0 = tokens.to("meta")
-    costs = meta_layer_costs(local, x0)
-    if sp:
-        costs = cut_along_sequence(
-            costs, styles, cfg["tp"], sequence_saved_bytes(local, styles, x0)
-        )
+    costs = local_layer_costs(local, styles, cfg["tp"], x0)
     plan = PipelinePlan.build(
         pp=cfg["pp"],
         world_size=len(runs[name]),

@@ -102,15 +102,13 @@ def _measure(
     from lightning_pp.planner.meta_profile import (
         example_input,
         layers_tensor_shapes,
-        meta_layer_costs,
         meta_layers,
         tied_groups,
     )
     from lightning_pp.planner.tensor_parallel import (
-        cut_along_sequence,
+        local_layer_costs,
         local_layers,
         record_tp_styles,
-        sequence_saved_bytes,
     )
 
     if module is None or not callable(getattr(module, "pipeline_layers", None)):
@@ -138,10 +136,7 @@ def _measure(
     dtype = _param_dtype(state)
     try:
         x0 = example_input(module, cfg.get("data"), size, instantiate)
-        cast = [layer.to(dtype) for layer in layers]
-        costs = meta_layer_costs(cast, x0)
-        if cut:
-            costs = cut_along_sequence(costs, cut, tp, sequence_saved_bytes(cast, cut, x0))
+        costs = local_layer_costs([layer.to(dtype) for layer in layers], cut, tp, x0)
     except Exception as err:  # a data module or layer that cannot run on meta: say which
         return tensors, None, f"{type(err).__name__}: {err}"
     how = f"microbatch of {size} sample(s), {str(dtype).split('.')[-1]}"

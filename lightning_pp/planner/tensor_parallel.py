@@ -522,6 +522,23 @@ def cut_along_sequence(
     return out
 
 
+def local_layer_costs(
+    local: Sequence[nn.Module], styles: Sequence[Mapping[str, TpStyle]], tp: int, x0: Any
+) -> list[LayerCost]:
+    """The bytes of one tp rank's layers (``local``: :func:`local_layers`) for a microbatch
+    whose first input is ``x0`` (meta): measured on the meta device, then cut where sequence
+    parallelism cuts them (:func:`cut_along_sequence` with :func:`sequence_saved_bytes`);
+    ``styles`` empty or ``tp = 1``: as measured."""
+    from .meta_profile import meta_layer_costs
+
+    costs = meta_layer_costs(local, x0)
+    if tp == 1 or not styles:
+        return costs
+    norms = any(st.kind == "sequence" for s in styles for st in s.values())
+    saved = sequence_saved_bytes(local, styles, x0) if norms else None
+    return cut_along_sequence(costs, styles, tp, saved)
+
+
 def sequence_saved_bytes(
     layers: Sequence[nn.Module], styles: Sequence[Mapping[str, TpStyle]], x0: Any
 ) -> list[int]:
