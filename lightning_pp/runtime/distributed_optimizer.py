@@ -50,7 +50,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from .dtensor_state import local_part, match_grad_placements
+from .dtensor_state import counted_once, local_part, match_grad_placements
 from .failure import monitored_wait
 from .grad_sync import DeferredGradSync, LaunchEvent, TiedParameterSync, _ranks
 from .shard_layout import BucketLayout, ShardMember
@@ -371,10 +371,13 @@ class ShardedGradSync(DeferredGradSync):
         first of them (torchtitan#596 counted such a weight tp times)."""
         skip = {id(self.main[i]) for i in tied.non_owner_params() if i in self.main}
         mesh = self.mesh
-        tp_rank = mesh.get_local_rank(1) if mesh is not None and mesh.ndim == 2 else 0
-        for i, m in self._members.items():
-            if i in self.main and not _first_copy(m.param, tp_rank):
-                skip.add(id(self.main[i]))
+        if mesh is not None and mesh.ndim == 2:  # (dp, tp): rows differ over dp, not over tp
+            here = {mesh.mesh_dim_names[1]: mesh.get_local_rank(1)}
+            skip.update(
+                id(self.main[i])
+                for i, m in self._members.items()
+                if i in self.main and not counted_once(m.param, here)
+            )
         return skip
 
 
@@ -393,21 +396,6 @@ def _rows_kept(member: ShardMember, value: Any) -> Any:
             value = distribute_tensor(value, p.device_mesh, p.placements, src_data_rank=None)
         return member.local_piece(value).clone()
     return value
-
-
-def _first_copy(param: Tensor, tp_rank: int) -> bool:
-    """Whether this rank holds the first copy of its rows of ``param`` (the rows are distinct
-    over the data-parallel replicas): a ``DTensor`` replicated along a mesh dim has one copy
-    per rank of that dim; a plain tensor, one per tensor-parallel rank (``tp_rank``: this
-    rank's; 0 without tp)."""
-    from torch.distributed.tensor import DTensor
-
-    if not isinstance(param, DTensor):
-        return tp_rank == 0
-    mesh = param.device_mesh
-    return all(
-        mesh.get_local_rank(d) == 0 for d, pl in enumerate(param.placements) if pl.is_replicate()
-    )
 
 
 def _rows_placements(param: Tensor, mesh: Any) -> tuple[Any, list[Any]]:

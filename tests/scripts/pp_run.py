@@ -41,9 +41,6 @@ from lightning_pp.callbacks import (  # noqa: E402
     ModelStateMemoryMonitor,
     PipelineTimeline,
 )
-from lightning_pp.runtime.distributed_optimizer import (  # noqa: E402
-    _first_copy as _REAL_FIRST_COPY,
-)
 from lightning_pp.runtime.dtensor_state import local_part  # noqa: E402
 from lightning_pp.schedules import Op  # noqa: E402
 
@@ -188,8 +185,9 @@ def _plant_zero_tp_norm_everywhere() -> None:
     """Planted bug (torchtitan#596 under zero): the clipping's norm counts the rows of a weight
     replicated over the tp ranks (a LayerNorm's, the position table's) on every tp rank."""
     import lightning_pp.runtime.distributed_optimizer as zero_module
+    from lightning_pp.runtime.dtensor_state import counted_once
 
-    zero_module._first_copy = lambda param, tp_rank: True
+    zero_module.counted_once = lambda param, here: counted_once(param, {k: 0 for k in here})
 
 
 def _remove_plant() -> None:
@@ -198,7 +196,7 @@ def _remove_plant() -> None:
     from lightning_pp.runtime.dtensor_state import counted_once
 
     zero_module.dist = dist  # the shared worlds run other cases in this process next
-    zero_module._first_copy = _REAL_FIRST_COPY
+    zero_module.counted_once = counted_once
     strategy_module.counted_once = counted_once
 
 
