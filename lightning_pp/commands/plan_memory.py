@@ -248,7 +248,7 @@ def _tp_lines(
     from lightning_pp.planner.meta_profile import meta_layers
     from lightning_pp.planner.plan_memory import compare_shardings
     from lightning_pp.planner.report import format_tp_table
-    from lightning_pp.planner.sharding import Sharding
+    from lightning_pp.planner.sharding import Sharding, allowed_shardings
     from lightning_pp.planner.tensor_parallel import TP_CANDIDATES, check_model_tp
 
     world = plan.world_size
@@ -279,14 +279,9 @@ def _tp_lines(
             rows.append((tp, dp, "not measured"))
             continue
         known = known and costs is not None
-        # a sharded config keeps its sharding at this tp (zero and fsdp both compose with tp)
-        fsdp = bool(plan.fsdp) and dp > 1
-        sharding = Sharding(
-            zero=plan.zero if dp > 1 else 0,
-            fsdp=fsdp,
-            dp=dp,
-            reshard_after_forward=fsdp and _reshard(plan, settings),
-        )
+        # the config's own sharding at this tp (zero and fsdp both compose with tp)
+        label = allowed_shardings([_current_label(plan, settings)], dp)[0]
+        sharding = Sharding.parse(label, dp=dp)
         got = compare_shardings(
             at, tensors, costs, state, recompute=recompute, shardings=[sharding]
         )

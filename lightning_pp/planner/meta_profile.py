@@ -41,10 +41,9 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from ..layout.partition import PipelineChunk
-from ..layout.placement import split_layer_name
 from ..runtime.recompute_probe import measure_chunk
 from .profile import LayerCost
-from .profiler import _nbytes, _repeat_to, _tensors
+from .profiler import _nbytes, _repeat_to, _tensors, tied_group_of
 from .sharding import TiedTensor
 
 __all__ = [
@@ -135,10 +134,7 @@ def layers_tensor_shapes(
         >>> layers_tensor_shapes(layers, [("0.weight", "1.weight")])[1]
         [TiedTensor(spec=(4, 2), group=0)]
     """
-    group_of: dict[tuple[int, str], int] = {}
-    for g, names in enumerate(tied):
-        for name in names:
-            group_of[split_layer_name(name)] = g
+    group_of = tied_group_of(tied)
     out: list[list[tuple[int, ...] | TiedTensor]] = []
     for i, layer in enumerate(layers):
         specs: list[tuple[int, ...] | TiedTensor] = []

@@ -328,27 +328,40 @@ def _repeat_to(x: Any, n: int) -> Any:
     raise TypeError(f"cannot profile a first-layer input of type {type(x).__name__}")
 
 
+def tied_group_of(tied: Sequence[Sequence[str]]) -> dict[tuple[int, str], int]:
+    """``(layer index, parameter name) -> group index`` of ``tied`` (``PipelineLayers.tied``
+    names, ``"0.wte.weight"``).
+
+    Example:
+        >>> tied_group_of([("0.wte.weight", "5.head.weight")])
+        {(0, 'wte.weight'): 0, (5, 'head.weight'): 0}
+    """
+    return {split_layer_name(name): g for g, names in enumerate(tied) for name in names}
+
+
 def tied_members(
     layers: Sequence[nn.Module], tied: Sequence[Sequence[str]]
 ) -> dict[int, tuple[tuple[int, int], ...]]:
     """Per layer index, ``(group, elements)`` of each member of a ``tied`` group
-    (``PipelineLayers.tied`` names, ``"0.wte.weight"``) it holds: the layer's trainable
-    parameter of that name, on whatever device (meta included) and cut (a tp-local layer: its
-    local elements).
+    (:func:`tied_group_of`) it holds: the layer's trainable parameter of that name, on whatever
+    device (meta included) and cut (a tp-local layer: its local elements).
 
     Example:
         >>> layers = [nn.Embedding(4, 2), nn.Linear(2, 4, bias=False)]
         >>> tied_members(layers, [("0.weight", "1.weight")])
         {0: ((0, 8),), 1: ((0, 8),)}
     """
-    out: dict[int, list[tuple[int, int]]] = {}
-    for g, names in enumerate(tied):
-        for name in names:
-            i, rest = split_layer_name(name)
-            p = dict(layers[i].named_parameters()).get(rest) if 0 <= i < len(layers) else None
-            if p is not None and p.requires_grad:
-                out.setdefault(i, []).append((g, p.numel()))
-    return {i: tuple(v) for i, v in out.items()}
+    group_of = tied_group_of(tied)
+    out: dict[int, tuple[tuple[int, int], ...]] = {}
+    for i, layer in enumerate(layers):
+        members = tuple(
+            (group_of[(i, name)], p.numel())
+            for name, p in layer.named_parameters()
+            if p.requires_grad and (i, name) in group_of
+        )
+        if members:
+            out[i] = members
+    return out
 
 
 def profile_model(

@@ -327,15 +327,23 @@ def _tensors(layer: LayerTensors) -> list[tuple[int, int]]:
 
 
 def _held_once(
-    chunks: Sequence[Sequence[LayerTensors]],
-) -> tuple[list[list[LayerTensors]], set[int]]:
+    chunks: Sequence[Sequence[LayerTensors]], leave_whole: bool
+) -> tuple[list[list[LayerTensors]], int]:
     """``chunks`` with every tied group's tensor kept at its first member only (the rank holds
-    one tensor), and the groups whose members sit in two or more of the chunks: FSDP2 leaves
-    such a tensor whole (``runtime.fsdp_chunks.shared_parameters``)."""
-    first: dict[int, int] = {}  # group -> the chunk of its first member
-    spanning: set[int] = set()
-    out: list[list[LayerTensors]] = []
+    one tensor). With ``leave_whole`` (fsdp), a group the rank holds in two or more chunks is
+    taken out and its elements returned: FSDP2 leaves such a tensor whole
+    (``runtime.fsdp_chunks.shared_parameters``)."""
+    chunks_of: dict[int, set[int]] = {}
     for c, chunk in enumerate(chunks):
+        for layer in chunk:
+            for t in () if isinstance(layer, int) else layer:
+                if isinstance(t, TiedTensor):
+                    chunks_of.setdefault(t.group, set()).add(c)
+    whole_groups = {g for g, cs in chunks_of.items() if leave_whole and len(cs) > 1}
+    seen: set[int] = set()
+    whole = 0
+    out: list[list[LayerTensors]] = []
+    for chunk in chunks:
         kept_chunk: list[LayerTensors] = []
         for layer in chunk:
             if isinstance(layer, int):
@@ -344,15 +352,17 @@ def _held_once(
             kept = []
             for t in layer:
                 if isinstance(t, TiedTensor):
-                    if t.group in first:
-                        if first[t.group] != c:
-                            spanning.add(t.group)
+                    if t.group in seen:
                         continue
-                    first[t.group] = c
+                    seen.add(t.group)
+                    if t.group in whole_groups:
+                        rows, per_row = _shape(t.spec)
+                        whole += rows * per_row
+                        continue
                 kept.append(t)
             kept_chunk.append(kept)
         out.append(kept_chunk)
-    return out, spanning
+    return out, whole
 
 
 @dataclass(frozen=True)
@@ -421,21 +431,8 @@ def rank_state_bytes(
     b = state or StateBytes()
     if not 0 <= dp_rank < s.dp:
         raise ValueError(f"dp_rank must lie in [0, dp={s.dp}), got {dp_rank}")
-    chunks, spanning = _held_once(chunks)
-    # under fsdp a tied tensor two local chunks hold stays whole on every replica
-    left_whole = spanning if s.fsdp else set()
-    shapes: list[list[tuple[int, int]]] = []
-    whole = 0
-    for chunk in chunks:
-        cut: list[tuple[int, int]] = []
-        for layer in chunk:
-            for t in [layer] if isinstance(layer, int) else layer:
-                if isinstance(t, TiedTensor) and t.group in left_whole:
-                    rows, per_row = _shape(t.spec)
-                    whole += rows * per_row
-                else:
-                    cut.append(_shape(t.spec if isinstance(t, TiedTensor) else t))
-        shapes.append(cut)
+    chunks, whole = _held_once(chunks, leave_whole=s.fsdp)
+    shapes = [[t for layer in chunk for t in _tensors(layer)] for chunk in chunks]
     numel = sum(r * n for chunk in shapes for r, n in chunk) + whole
     largest = max((sum(r * n for r, n in chunk) for chunk in shapes), default=0)
     sharded = bool(s.fsdp or s.zero)

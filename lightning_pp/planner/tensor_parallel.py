@@ -463,14 +463,13 @@ def tp_layers(
             h.remove()
     out = []
     cuts = sequence_cuts(styles)
-    sequenced = any(st.kind == "sequence" for s in styles for st in s.values())
-    norms = sequence_saved_bytes(cut, styles, x0) if tp > 1 and sequenced else [0] * len(cut)
+    norms = sequence_saved_bytes(cut, styles, x0) if tp > 1 else [0] * len(cut)
     for i, (layer, s, w, loc, args, seq) in enumerate(
         zip(layers, styles, whole, local, inputs, cuts)
     ):
         comm = _collective_bytes(layer, s, args) if tp > 1 else ((), (), ())
         # sequence parallelism: the norms save T / tp positions (see cut_along_sequence)
-        saved = loc.saved_bytes - (norms[i] - -(-norms[i] // tp))
+        saved = loc.saved_bytes - _norm_saving(norms[i], tp)
         ratio = saved / w.saved_bytes if w.saved_bytes else 1.0
         out.append(TpLayer(tp, loc.params, w.params, ratio, *comm, *seq, members.get(i, ())))
     return out
@@ -508,7 +507,7 @@ def cut_along_sequence(
     for i, (cost, cut) in enumerate(zip(costs, sequence_cuts(styles))):
         local = _cut(cost, tp, *cut)
         if norm_saved is not None and norm_saved[i]:
-            less = norm_saved[i] - -(-norm_saved[i] // tp)
+            less = _norm_saving(norm_saved[i], tp)
 
             def minus(x: int | None, less: int = less) -> int | None:
                 return None if x is None else max(0, x - less)
@@ -534,9 +533,7 @@ def local_layer_costs(
     costs = meta_layer_costs(local, x0)
     if tp == 1 or not styles:
         return costs
-    norms = any(st.kind == "sequence" for s in styles for st in s.values())
-    saved = sequence_saved_bytes(local, styles, x0) if norms else None
-    return cut_along_sequence(costs, styles, tp, saved)
+    return cut_along_sequence(costs, styles, tp, sequence_saved_bytes(local, styles, x0))
 
 
 def sequence_saved_bytes(
@@ -555,6 +552,8 @@ def sequence_saved_bytes(
     """
     from .meta_profile import FlashAttentionOnMeta, _fresh_meta, _meta_key
 
+    if not any(st.kind == "sequence" for s in styles for st in s.values()):
+        return [0] * len(layers)  # no norm is sequence-parallel: no meta pass
     key, exclude = _meta_key()
     exclude(layers)
     out: list[int] = []
@@ -592,24 +591,33 @@ def _step(counter: list[int], by: int) -> None:
     counter[0] += by
 
 
+def _norm_saving(norm_bytes: int, tp: int) -> int:
+    """What sequence parallelism saves of ``norm_bytes`` a layer's norms save whole: all but
+    the ``ceil(1 / tp)`` part a rank keeps."""
+    return norm_bytes - -(-norm_bytes // tp)
+
+
 def _cut(cost: LayerCost, tp: int, cut_in: bool, cut_out: bool) -> LayerCost:
     """``cost`` with its input (``cut_in``; with it the part of the input the layer or the
     previous one saves) and output (``cut_out``) at ``ceil(1 / tp)``."""
 
-    def cut(x: int | None, yes: bool) -> int | None:
+    def cut(x: Any, yes: bool) -> Any:
         return None if x is None else (-(-x // tp) if yes else x)
 
     return dataclasses.replace(
         cost,
-        input_bytes=-(-cost.input_bytes // tp) if cut_in else cost.input_bytes,
-        boundary_bytes=-(-cost.boundary_bytes // tp) if cut_out else cost.boundary_bytes,
-        input_shared_bytes=-(-cost.input_shared_bytes // tp) if cut_in else cost.input_shared_bytes,
-        input_saved_bytes=-(-cost.input_saved_bytes // tp) if cut_in else cost.input_saved_bytes,
-        input_self_saved_bytes=-(-cost.input_self_saved_bytes // tp)
-        if cut_in
-        else cost.input_self_saved_bytes,
-        input_w_saved_bytes=cut(cost.input_w_saved_bytes, cut_in),
-        input_self_w_saved_bytes=cut(cost.input_self_w_saved_bytes, cut_in),
+        boundary_bytes=cut(cost.boundary_bytes, cut_out),
+        **{
+            name: cut(getattr(cost, name), cut_in)
+            for name in (
+                "input_bytes",
+                "input_shared_bytes",
+                "input_saved_bytes",
+                "input_self_saved_bytes",
+                "input_w_saved_bytes",
+                "input_self_w_saved_bytes",
+            )
+        },
     )
 
 
