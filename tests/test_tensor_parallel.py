@@ -34,6 +34,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -203,6 +204,38 @@ def test_sequence_parallel_saves_less_for_backward(runs):
         )
 
 
+def _meta_tp_layers(cfg: dict) -> tuple[Any, list, list]:
+    """``cfg``'s DecoderLM on the meta device, its layers' tp styles and the tp-local layers
+    one tp rank holds (what ``lightning-pp plan`` measures)."""
+    from pp_common import MODEL_KW
+
+    from lightning_pp.models.decoder import DecoderLM
+    from lightning_pp.planner.meta_profile import meta_layers
+    from lightning_pp.planner.tensor_parallel import local_layers, record_tp_styles
+
+    with torch.device("meta"):
+        model = DecoderLM(**MODEL_KW, sequence_parallel=cfg["model"] == "decoder-sp")
+        model.configure_model()
+    layers = meta_layers(model)
+    styles = record_tp_styles(model, layers, cfg["tp"])
+    assert styles is not None
+    return model, styles, local_layers(layers, styles, cfg["tp"])
+
+
+def _plan_of(cfg: dict, world_size: int, num_layers: int) -> PipelinePlan:
+    return PipelinePlan.build(
+        pp=cfg["pp"],
+        vpp=cfg.get("vpp"),
+        schedule=cfg.get("schedule"),
+        world_size=world_size,
+        tp=cfg["tp"],
+        microbatches=cfg["microbatches"],
+        num_layers=num_layers,
+        fsdp=cfg.get("fsdp", False),
+        zero=cfg.get("zero", 0),
+    )
+
+
 @pytest.mark.parametrize(
     "name",
     [
@@ -223,36 +256,18 @@ def test_the_plans_tp_prediction_is_within_2_percent_of_the_measured_bytes(runs,
     under zero its moments (and with zero=2 its gradients) cut into rows over dp. Under zbv
     the tied embedding and head are one tensor on pipeline rank 0 (counted once; left whole
     by FSDP2)."""
-    from pp_common import MODEL_KW, state_bytes_off
+    from pp_common import state_bytes_off
 
-    from lightning_pp.models.decoder import DecoderLM
-    from lightning_pp.planner.meta_profile import layers_tensor_shapes, meta_layers, tied_groups
-    from lightning_pp.planner.tensor_parallel import local_layers, record_tp_styles
+    from lightning_pp.planner.meta_profile import layers_tensor_shapes, tied_groups
 
     cfg = next(c for c in WORLD4 + WORLD8 if c["name"] == name)
-    with torch.device("meta"):
-        model = DecoderLM(**MODEL_KW)
-        model.configure_model()
-    layers = meta_layers(model)
-    styles = record_tp_styles(model, layers, cfg["tp"])
-    assert styles is not None
-    shapes = layers_tensor_shapes(local_layers(layers, styles, cfg["tp"]), tied_groups(model))
+    model, _, local = _meta_tp_layers(cfg)
+    shapes = layers_tensor_shapes(local, tied_groups(model))
     ranks = runs[name]
-    plan = PipelinePlan.build(
-        pp=cfg["pp"],
-        vpp=cfg.get("vpp"),
-        schedule=cfg.get("schedule"),
-        world_size=len(ranks),
-        tp=cfg["tp"],
-        microbatches=cfg["microbatches"],
-        num_layers=len(layers),
-        fsdp=cfg.get("fsdp", False),
-        zero=cfg.get("zero", 0),
-    )
+    plan = _plan_of(cfg, len(ranks), len(local))
     assert state_bytes_off(plan, shapes, ranks) == [], name
 
 
-# ---------------------------------------------------------------------------- split= (HF)
 @pytest.mark.parametrize("name", ["tp2_1f1b", "tp2_sp_1f1b"])
 def test_the_plans_activation_prediction_is_the_measured_saved_bytes(runs, name):
     """What ``lightning-pp plan`` predicts for one tp rank's activations (the meta measurement
@@ -260,36 +275,18 @@ def test_the_plans_activation_prediction_is_the_measured_saved_bytes(runs, name)
     stage boundary and what the norms save at ``T / tp``, planner.tensor_parallel
     .sequence_saved_bytes) against the peak ActivationMemoryMonitor measured from the saved
     tensors' storages, on every rank: equal, byte for byte."""
-    from pp_common import BLOCK, GLOBAL_BATCH, MODEL_KW
+    from pp_common import BLOCK, GLOBAL_BATCH
 
-    from lightning_pp.models.decoder import DecoderLM
-    from lightning_pp.planner.meta_profile import layers_tensor_shapes, meta_layers, tied_groups
+    from lightning_pp.planner.meta_profile import layers_tensor_shapes, tied_groups
     from lightning_pp.planner.plan_memory import plan_memory
     from lightning_pp.planner.sharding import Sharding, StateBytes
-    from lightning_pp.planner.tensor_parallel import (
-        local_layer_costs,
-        local_layers,
-        record_tp_styles,
-    )
+    from lightning_pp.planner.tensor_parallel import local_layer_costs
 
     cfg = next(c for c in WORLD4 if c["name"] == name)
-    with torch.device("meta"):
-        model = DecoderLM(**MODEL_KW, sequence_parallel=cfg["model"] == "decoder-sp")
-        model.configure_model()
-    layers = meta_layers(model)
-    styles = record_tp_styles(model, layers, cfg["tp"])
-    assert styles is not None
-    local = local_layers(layers, styles, cfg["tp"])
+    model, styles, local = _meta_tp_layers(cfg)
     tokens = torch.zeros(GLOBAL_BATCH // cfg["microbatches"], BLOCK, dtype=torch.long)
-    x0 = tokens.to("meta")
-    costs = local_layer_costs(local, styles, cfg["tp"], x0)
-    plan = PipelinePlan.build(
-        pp=cfg["pp"],
-        world_size=len(runs[name]),
-        tp=cfg["tp"],
-        microbatches=cfg["microbatches"],
-        num_layers=len(layers),
-    )
+    costs = local_layer_costs(local, styles, cfg["tp"], tokens.to("meta"))
+    plan = _plan_of(cfg, len(runs[name]), len(local))
     tensors = layers_tensor_shapes(local, tied_groups(model))
     predicted = [
         r.activations for r in plan_memory(plan, tensors, costs, StateBytes(), Sharding()).ranks
@@ -298,6 +295,7 @@ def test_the_plans_activation_prediction_is_the_measured_saved_bytes(runs, name)
         assert d["saved_bytes"] == predicted[d["pp_rank"]], (name, d["rank"], predicted)
 
 
+# ---------------------------------------------------------------------------- split= (HF)
 @pytest.fixture(scope="module")
 def hf_runs(tmp_path_factory) -> dict[str, list[dict]]:
     out = tmp_path_factory.mktemp("tp_hf")
