@@ -36,7 +36,8 @@ boundary x microbatches x (activation + gradient), ``mb x T x C x 4`` bytes each
 ``all_gather_tensor``, ``reduce_scatter_single``, ``reduce_scatter_tensor``) are wrapped: each
 call is timed from its launch to its completion (the wrapper waits for it, where DTensor
 would wait at the result's first use: on gloo CPU the overlap that removes is small), with its
-bytes; per rank per step, then the mean over the ranks. pp4 and pp2-dp2 issue none (checked).
+bytes; per rank per step, then the mean over the ranks (``all_gather_tensor`` calls
+``all_gather_single``: only the outer call counts). pp4 and pp2-dp2 issue none (checked).
 
 **Send or broadcast** (issue 33, point 3): the activation a row-wise layer leaves replicated
 over the tp ranks of a stage can be sent by every tp rank to its peer on the next stage (what
@@ -65,6 +66,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -91,6 +94,10 @@ class Variant:
     tp: int
     #: DecoderLM(sequence_parallel=True): activations between the tp regions cut along T
     sp: bool = False
+    #: with sequence parallelism, torch's ColwiseParallel for q, k, v and fc: each keeps its
+    #: gathered (whole-sequence) input for backward, where ColwiseFromSequence keeps the
+    #: rank's T / tp part and gathers it again in backward (Megatron's second saving)
+    keep_gathered: bool = False
 
     @property
     def dp(self) -> int:
@@ -104,6 +111,7 @@ VARIANTS = {
         Variant("pp2-dp2", 2, 1),
         Variant("pp2-tp2", 2, 2),
         Variant("pp2-tp2-sp", 2, 2, sp=True),
+        Variant("pp2-tp2-sp-gathered", 2, 2, sp=True, keep_gathered=True),
     )
 }
 
@@ -244,12 +252,20 @@ def install_counters() -> None:
 
     P2PCommunicator._post = counted_post  # type: ignore[method-assign]
 
+    depth = [0]  # all_gather_tensor calls all_gather_single: count the outer call only
+
     def timed(name: str, real: Any) -> Any:
         def call(tensor, *args, **kwargs):
+            if depth[0]:
+                return real(tensor, *args, **kwargs)
             t0 = time.perf_counter()
-            out = real(tensor, *args, **kwargs)
-            if isinstance(out, funcol.AsyncCollectiveTensor):
-                out.trigger_wait()
+            depth[0] += 1
+            try:
+                out = real(tensor, *args, **kwargs)
+                if isinstance(out, funcol.AsyncCollectiveTensor):
+                    out.trigger_wait()
+            finally:
+                depth[0] -= 1
             COUNTERS.coll_s += time.perf_counter() - t0
             COUNTERS.coll_n += 1
             COUNTERS.coll_bytes += tensor.numel() * tensor.element_size()
@@ -322,8 +338,26 @@ def run_variant(v: Variant, spec: Spec, steps: int) -> list[dict[str, Any]]:
     clock = StepClock()
     strategy = PipelineStrategy(pp=v.pp, tp=v.tp, microbatches=MICROBATCHES, schedule="1f1b")
     trainer = make_trainer(strategy, WORLD, steps, [clock])
-    trainer.fit(make_model(spec.size, steps, v.sp), make_data(spec.size, steps, v.dp))
+    with _torch_colwise(v.keep_gathered):
+        trainer.fit(make_model(spec.size, steps, v.sp), make_data(spec.size, steps, v.dp))
     return clock.rows
+
+
+@contextmanager
+def _torch_colwise(on: bool) -> Iterator[None]:
+    """``DecoderLM``'s sequence-parallel plan with torch's ``ColwiseParallel`` in place of
+    ``ColwiseFromSequence`` (the plan imports the name when the strategy applies it)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    from lightning_pp.models import sequence_parallel
+
+    ours = sequence_parallel.ColwiseFromSequence
+    if on:
+        sequence_parallel.ColwiseFromSequence = ColwiseParallel  # type: ignore[misc]
+    try:
+        yield
+    finally:
+        sequence_parallel.ColwiseFromSequence = ours  # type: ignore[misc]
 
 
 def send_or_broadcast(spec: Spec) -> list[dict[str, Any]]:

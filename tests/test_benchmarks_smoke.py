@@ -442,7 +442,8 @@ def test_sharded_script():
 
 def _tp_script(tmp_path) -> str:
     """benchmarks/bench_tp.py --quick: a tiny DecoderLM at pp4, pp2 x dp2, pp2 x tp2 and pp2 x tp2
-    with sequence parallelism on four processes under the Trainer (torchrun), each variant's loss
+    with sequence parallelism (the projections' inputs kept at T / tp, and kept whole) on four
+    processes under the Trainer (torchrun), each variant's loss
     equal to the single-process reference; P2P bytes counted equal to the shapes' (plus
     headers; half of tp2's under sequence parallelism), tp collectives only under tp, what
     autograd saved measured on every variant (less under sequence parallelism); both
@@ -462,7 +463,7 @@ def _tp_script(tmp_path) -> str:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads(out.read_text())
     summary = data["summary"]
-    assert set(summary) == {"pp4", "pp2-dp2", "pp2-tp2", "pp2-tp2-sp"}
+    assert set(summary) == {"pp4", "pp2-dp2", "pp2-tp2", "pp2-tp2-sp", "pp2-tp2-sp-gathered"}
     for name, row in summary.items():
         assert row["check"] == "ok" and row["step_ms"] > 0, (name, row)
         shapes = row["p2p_bytes_from_shapes"]
@@ -476,6 +477,8 @@ def _tp_script(tmp_path) -> str:
     sp, tp = summary["pp2-tp2-sp"], summary["pp2-tp2"]
     assert 2 * sp["p2p_bytes_from_shapes"] == tp["p2p_bytes_from_shapes"]  # T / tp positions
     assert sp["saved_bytes_max_rank"] < tp["saved_bytes_max_rank"]
+    # the projections' gathered inputs kept whole (torch's ColwiseParallel) save more
+    assert sp["saved_bytes_max_rank"] < summary["pp2-tp2-sp-gathered"]["saved_bytes_max_rank"]
     micro = data["micro"]
     assert micro and all(r["every_ms"] > 0 and r["once+bcast_ms"] > 0 for r in micro)
     assert "| pp2-tp2 | 2 x 1 x 2 |" in data["markdown"]

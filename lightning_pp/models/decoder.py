@@ -19,7 +19,9 @@ With ``DecoderLM(sequence_parallel=True)`` (Megatron's sequence parallelism) the
 between those regions (the residual stream, the LayerNorms, the stage boundary) are cut along
 the sequence over the tp ranks instead of replicated: each holds ``T / tp`` positions, so every
 P2P message and the boundary activations a stage keeps shrink by ``tp``; the all-reduce after
-each row-wise projection becomes a reduce-scatter, and each norm's output is all-gathered once.
+each row-wise projection becomes a reduce-scatter, and each norm's output is all-gathered once;
+the projections reading it keep only ``T / tp`` positions of it for backward and gather them
+again there (:mod:`~lightning_pp.models.sequence_parallel`).
 
 Example:
     >>> import torch
@@ -189,26 +191,25 @@ def _sequence_parallel(layer: nn.Module, index: int, tp_mesh: Any) -> None:
     all-gathered along the sequence once (its ``DTensor`` kept, so the three projections' input
     gradients add up as partial sums and leave through one reduce-scatter); leaving it, the
     row-wise projection reduce-scatters along the sequence instead of all-reducing. The
-    vocabulary-parallel embedding reduce-scatters its rows along the sequence too, and the
-    position table's output is cut to the same positions; the head all-gathers them back for
-    the logits, which stay whole.
+    column-wise projections (and the head) keep only the rank's ``T / tp`` positions of that
+    gathered input for their weight gradients and gather them again in backward (Megatron's
+    second saving: :mod:`~lightning_pp.models.sequence_parallel`). The vocabulary-parallel
+    embedding reduce-scatters its rows along the sequence too, and the position table's output
+    is cut to the same positions; the head all-gathers them back for the logits, which stay
+    whole.
     LayerNorm weights are ``Replicate`` over tp: their gradients come out partial (each rank saw
     its positions) and are summed by the strategy before the step.
     """
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
         PrepareModuleOutput,
         RowwiseParallel,
         SequenceParallel,
         parallelize_module,
     )
 
-    def gathered() -> PrepareModuleOutput:  # a norm's output, whole along the sequence
-        return PrepareModuleOutput(
-            output_layouts=Shard(1), desired_output_layouts=Replicate(), use_local_output=False
-        )
+    from .sequence_parallel import ColwiseFromSequence, GatherSequence
 
     def norm() -> SequenceParallel:
         return SequenceParallel(use_local_output=False)
@@ -228,7 +229,7 @@ def _sequence_parallel(layer: nn.Module, index: int, tp_mesh: Any) -> None:
         }
         parallelize_module(layer, tp_mesh, plan)
     elif isinstance(layer, DecoderBlock):
-        plan = {name: ColwiseParallel() for name in ("q", "k", "v", "fc")}
+        plan = {name: ColwiseFromSequence() for name in ("q", "k", "v", "fc")}
         plan.update(
             proj=RowwiseParallel(output_layouts=Shard(1)),
             fc_proj=RowwiseParallel(output_layouts=Shard(1)),
@@ -236,10 +237,10 @@ def _sequence_parallel(layer: nn.Module, index: int, tp_mesh: Any) -> None:
             ln_2=norm(),
         )
         parallelize_module(layer, tp_mesh, plan)
-        parallelize_module(layer, tp_mesh, {"ln_1": gathered(), "ln_2": gathered()})
+        parallelize_module(layer, tp_mesh, {"ln_1": GatherSequence(), "ln_2": GatherSequence()})
     elif isinstance(layer, Head):
-        plan = {"ln_f": norm(), "head": ColwiseParallel(output_layouts=Replicate())}
+        plan = {"ln_f": norm(), "head": ColwiseFromSequence(output_layouts=Replicate())}
         parallelize_module(layer, tp_mesh, plan)
-        parallelize_module(layer, tp_mesh, {"ln_f": gathered()})
+        parallelize_module(layer, tp_mesh, {"ln_f": GatherSequence()})
     else:
         raise TypeError(f"layer {index} is a {type(layer).__name__}: no tensor-parallel plan")

@@ -155,6 +155,9 @@ class TpStyle:
     kind: str
     gathered: bool = False
     seq_out: bool = False
+    #: a column-wise Linear that saves only ``T / tp`` of its input for backward and gathers
+    #: it again there (``lightning_pp.models.sequence_parallel.ColwiseFromSequence``)
+    keeps_part: bool = False
 
 
 class _StandInMesh:
@@ -180,7 +183,8 @@ def _style_of(style: Any) -> TpStyle | None:
     layouts = getattr(style, "output_layouts", ())
     layouts = layouts if isinstance(layouts, (tuple, list)) else (layouts,)
     if isinstance(style, ColwiseParallel):
-        return TpStyle("colwise", any(isinstance(p, Replicate) for p in layouts))
+        gathered = any(isinstance(p, Replicate) for p in layouts)
+        return TpStyle("colwise", gathered, keeps_part=getattr(style, "keeps_sequence_part", False))
     if isinstance(style, RowwiseParallel):
         return TpStyle("rowwise", seq_out=any(isinstance(p, Shard) and p.dim == 1 for p in layouts))
     if isinstance(style, SequenceParallel):
@@ -406,7 +410,9 @@ def _collective_bytes(
             if style.kind == "sequence":
                 # a norm's gather (and its reduce-scatter backward) is not counted; under
                 # sequence parallelism the projections' all-reduces counted here are each an
-                # all-gather and a reduce-scatter of the same bytes: an upper bound
+                # all-gather and a reduce-scatter of the same bytes: an upper bound, which also
+                # covers the backward's regather of a keeps_part input (per block, 4 counted
+                # all-reduces of B x T x C against 2 reduce-scatters and 4 all-gathers)
                 return
             if style.kind == "rowwise":
                 fwd.append(nbytes(out))  # partial sums -> whole
@@ -539,16 +545,20 @@ def local_layer_costs(
 def sequence_saved_bytes(
     layers: Sequence[nn.Module], styles: Sequence[Mapping[str, TpStyle]], x0: Any
 ) -> list[int]:
-    """Per layer, the bytes saved for backward inside its ``sequence``-styled modules (the
-    norms under sequence parallelism), measured on the meta device from ``x0`` (the first
-    layer's input, whole sequences): the part of the layer's saved activations that sequence
-    parallelism cuts by ``tp``. Parameters are not counted; a storage once.
+    """Per layer, the bytes saved for backward that sequence parallelism keeps at ``T / tp``
+    positions inside it, measured on the meta device from ``x0`` (the first layer's input,
+    whole sequences): what its ``sequence``-styled modules (the norms) save, and the input a
+    ``keeps_part`` column-wise Linear saves (a norm's gathered output, of which it keeps the
+    rank's part). Parameters are not counted; a storage once.
 
     Example:
         >>> norm = nn.Sequential(nn.LayerNorm(4), nn.Linear(4, 4)).to("meta")
         >>> x = torch.zeros(2, 3, 4, device="meta")
         >>> sequence_saved_bytes([norm], [{"0": TpStyle("sequence")}], x)  # input + mean + rstd
         [144]
+        >>> both = {"0": TpStyle("sequence"), "1": TpStyle("colwise", keeps_part=True)}
+        >>> sequence_saved_bytes([norm], [both], x)  # ... + the Linear's input
+        [240]
     """
     from .meta_profile import FlashAttentionOnMeta, _fresh_meta, _meta_key
 
@@ -559,22 +569,29 @@ def sequence_saved_bytes(
     out: list[int] = []
     x = _fresh_meta(x0)
     for layer, style in zip(layers, styles):
-        inside = [0]
+        inside = [0]  # inside a norm: everything it saves counts
+        parts: list[Any] = []  # inside a keeps_part Linear: the storage of its input
         seen: dict[Any, int] = {}
 
-        def pack(t: torch.Tensor, inside: list[int] = inside, seen: dict = seen) -> torch.Tensor:
-            k = key(t) if inside[0] else None
-            if k is not None:
+        def pack(t: torch.Tensor, inside=inside, parts=parts, seen=seen) -> torch.Tensor:
+            k = key(t) if inside[0] or parts else None
+            if k is not None and (inside[0] or k[0] == parts[-1]):
                 seen[k[0]] = k[1]
             return t
 
+        def enter(_m: nn.Module, args: Any, parts: list[Any] = parts) -> None:
+            k = key(args[0])
+            parts.append(None if k is None else k[0])
+
         handles = []
         for name, st in style.items():
-            if st.kind != "sequence":
-                continue
             mod = layer.get_submodule(name)
-            handles.append(mod.register_forward_pre_hook(lambda *_a, c=inside: _step(c, 1)))
-            handles.append(mod.register_forward_hook(lambda *_a, c=inside: _step(c, -1)))
+            if st.kind == "sequence":
+                handles.append(mod.register_forward_pre_hook(lambda *_a, c=inside: _step(c, 1)))
+                handles.append(mod.register_forward_hook(lambda *_a, c=inside: _step(c, -1)))
+            elif st.keeps_part:
+                handles.append(mod.register_forward_pre_hook(enter))
+                handles.append(mod.register_forward_hook(lambda *_a, p=parts: _leave(p)))
         try:
             with FlashAttentionOnMeta(), torch.enable_grad():
                 with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -585,6 +602,10 @@ def sequence_saved_bytes(
         out.append(sum(seen.values()))
         x = _fresh_meta(x)
     return out
+
+
+def _leave(parts: list[Any]) -> None:
+    parts.pop()  # (a forward hook that returned the popped key would replace the output)
 
 
 def _step(counter: list[int], by: int) -> None:
