@@ -21,9 +21,10 @@ gradient norm).
   parallelism; each rank's rows seen whole by a checkpoint (every
   placement, uneven rows); the replicated rows counted once by the clipping (a planted
   double count is caught); checkpoints resume at their own shape, under fsdp and plain.
-* Sequence parallelism (``DecoderLM(sequence_parallel=True)``) at pp2 x tp2 (1f1b, zbv) and
-  under fsdp at pp2 x dp2 x tp2 (zbv): equal to the reference, every layer's input measured at
-  ``T / tp`` positions; an uneven length refused.
+* Sequence parallelism (``DecoderLM(sequence_parallel=True)``: the projections keep ``T / tp``
+  of their gathered inputs and regather them in backward) at pp2 x tp2 (1f1b, zbv, zbv with
+  every layer recomputed) and under fsdp at pp2 x dp2 x tp2 (zbv): equal to the reference,
+  every layer's input measured at ``T / tp`` positions; an uneven length refused.
 * The planner's per-rank state bytes on the tp-local shapes against the measured ones (2 %).
 * The rules: the world, the sharding, the plan settings and the model's sizes are refused with
   the numbers named, before any process group exists.
@@ -63,6 +64,15 @@ WORLD4 = [
     # sequence over tp (DecoderLM(sequence_parallel=True)); the tie across ranks, then on one
     {"name": "tp2_sp_1f1b", **TP2, "model": "decoder-sp", "memory": True},
     {"name": "tp2_sp_zbv", **TP2, "model": "decoder-sp", "schedule": "zbv"},
+    # ... with every layer recomputed: the regathered parts are saved tensors a recomputed
+    # region refills (once, for I and W)
+    {
+        "name": "tp2_sp_zbv_recompute",
+        **TP2,
+        "model": "decoder-sp",
+        "schedule": "zbv",
+        "recompute": "full",
+    },
 ]
 # last (it patches the strategy while it runs): replicated weights counted on every tp rank
 PLANTED = {"name": "tp2_norm_planted", **TP2, "plant": "tp_norm_everywhere"}
