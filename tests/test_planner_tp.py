@@ -352,3 +352,27 @@ def test_70b_per_rank_bytes_at_each_tp(capsys):
         tp, dp = int(m[1]), int(m[3])
         assert m[4] == "fsdp"
         assert float(m[5]) == pytest.approx(16.50 / tp * (1 + 1 / dp), rel=0.01)
+
+
+def test_70b_activations_fall_as_one_over_tp_with_sequence_parallelism(capsys):
+    """Without recompute, under sequence parallelism every saved activation of a block holds
+    ``T / tp`` positions or ``heads / tp`` heads, the projections' gathered inputs included
+    (they keep the rank's part: ColwiseFromSequence), so the heaviest rank's activations fall
+    as ``1 / tp`` (the embedding's and head's few whole tensors aside: within 10 %). With
+    torch's ColwiseParallel keeping those inputs whole they would not: 45.04 GiB at tp 2
+    against 80.08 / 2."""
+    code, out, err = _plan(
+        capsys,
+        GPT_70B,
+        DECODER,
+        "+model.init_args.sequence_parallel=true",
+        "strategy.recompute=null",
+    )
+    assert code == 0, err
+    section = out.split("--- tensor parallel:")[1]
+    acts = {}
+    for line in section.splitlines()[3:7]:
+        cols = re.findall(r"([\d.]+) GiB", line)
+        acts[int(line.split()[0])] = float(cols[4])  # params grads master optimizer activations
+    for tp in (2, 4, 8):
+        assert 0.9 * acts[1] / tp <= acts[tp] <= acts[1] / tp, (tp, acts)
