@@ -13,12 +13,14 @@ unsharded in one process, on the same batch:
   outputs but for the rank's part: ``2 x B x T x C x 4 x (1 - 1 / tp)`` bytes;
 * the regather costs one all-gather per norm, in ``W`` (none in ``I``), and one per norm in a
   fused backward: q, k and v share theirs;
-* a block whose norm output is not tagged falls back to ``ColwiseParallel``'s computation.
+* a block whose norm output is not tagged falls back to ``ColwiseParallel``'s computation and
+  says so once.
 """
 
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -169,10 +171,18 @@ def _untagged_case(rank: int, size: int) -> float:
     x = torch.randn(B, T, C)
     xd = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
     assert not hasattr(xd, TAG)
-    y = lin(xd)  # a local shard of the output columns
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        y = lin(xd)  # a local shard of the output columns
+        lin(xd)  # said once per projection
+        with torch.no_grad():  # nothing saved for backward: nothing to say
+            lin(xd)
     cols = slice(rank * C, (rank + 1) * C)
-    return (y - ref(x)[..., cols]).abs().max().item()
+    return (y - ref(x)[..., cols]).abs().max().item(), [str(w.message) for w in caught]
 
 
-def test_an_untagged_input_is_computed_as_colwise_parallel():
-    assert max(world("gloo", TP).run(_untagged_case)) <= 1e-6
+def test_an_untagged_input_is_computed_as_colwise_parallel_and_said_once():
+    for err, said in world("gloo", TP).run(_untagged_case):
+        assert err <= 1e-6
+        assert len(said) == 1 and "carries no GatherSequence tag" in said[0], said
+        assert "Linear(16, 32)" in said[0] and "(2, 8, 16)" in said[0], said

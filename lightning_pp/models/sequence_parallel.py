@@ -25,7 +25,8 @@ does the same with torch's styles:
   microbatch, in ``W`` (or in the fused ``B``), as in Megatron.
 
 An input that carries no tag (a model that copies the gathered tensor before the projection,
-or ``torch.no_grad``) is computed as ``ColwiseParallel`` computes it.
+or ``torch.no_grad``) is computed as ``ColwiseParallel`` computes it; with gradients on, the
+projection says so once (a ``UserWarning``), since it then keeps its whole input.
 
 Example (one process: a one-rank mesh, so the "gather" is the tensor itself)::
 
@@ -44,6 +45,7 @@ Example (one process: a one-rank mesh, so the "gather" is the tensor itself)::
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -58,6 +60,8 @@ __all__ = ["ColwiseFromSequence", "GatherSequence", "SequenceShard"]
 
 #: the attribute of a gathered ``DTensor`` that holds its :class:`SequenceShard`
 TAG = "_lightning_pp_sequence_shard"
+#: set on a projection once it has warned that its input carried no tag
+_WARNED = "_lightning_pp_warned_untagged"
 
 
 class SequenceShard:
@@ -129,6 +133,16 @@ class ColwiseFromSequence(ColwiseParallel):
 def _forward(self: nn.Linear, x: Any) -> Any:
     tagged = getattr(x, TAG, None)
     if tagged is None or not torch.is_grad_enabled() or not isinstance(self.weight, DTensor):
+        if tagged is None and torch.is_grad_enabled() and not getattr(self, _WARNED, False):
+            setattr(self, _WARNED, True)
+            warnings.warn(
+                f"ColwiseFromSequence on a Linear({self.in_features}, {self.out_features}): its "
+                f"input carries no GatherSequence tag (a {type(x).__name__} of shape "
+                f"{tuple(x.shape)}; was the norm's gathered output changed or copied before "
+                "this projection, or is GatherSequence missing on the norm?), so it is computed "
+                "as ColwiseParallel computes it and keeps its whole input for backward",
+                stacklevel=2,
+            )
         return F.linear(x, self.weight, self.bias)
     shard, part = tagged
     # The input gradients of the projections are partial sums over the tp ranks' heads: the
