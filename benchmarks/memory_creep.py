@@ -10,6 +10,7 @@ growth between the last two points is ``--limit-mib`` or more on any process. Us
     python benchmarks/memory_creep.py --schedules zbv --steps 400 --at 100 200 400
     python benchmarks/memory_creep.py --tree /work/main        # another checkout's lightning_pp
     python benchmarks/memory_creep.py --no-summary --every 100 # without the summary callbacks
+    python benchmarks/memory_creep.py --schedules zbv --recompute full  # every layer recomputed
 
 Each run is a subprocess in a session of its own with a timeout that kills its whole process
 tree. ``--tree`` runs another checkout's package (its ``lightning_pp`` first on ``PYTHONPATH``):
@@ -138,6 +139,8 @@ def run_schedule(schedule: str, args: argparse.Namespace) -> dict[str, Any]:
         config = _config(work, schedule, args)
         overrides = [f"{k}={v}" for k, v in SHRUNK.items()]
         overrides += [f"strategy.schedule={schedule}", f"trainer.max_steps={args.steps}"]
+        if args.recompute:
+            overrides.append(f"strategy.recompute={args.recompute}")
         if schedule == "zbv":
             overrides.append("strategy.vpp=2")
         cmd = [sys.executable, "-m", "lightning_pp", "fit", str(config), *overrides]
@@ -210,6 +213,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-summary", action="store_true", help="fit --no-summary")
     p.add_argument(
         "--gc-collect", action="store_true", help="diagnosis: gc.collect() after every step"
+    )
+    p.add_argument(
+        "--recompute", help="strategy.recompute for every run (e.g. full): recompute's frames"
     )
     p.add_argument("--limit-mib", type=float, default=10.0)
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per schedule")

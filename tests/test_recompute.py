@@ -11,6 +11,7 @@ checkpoint restores the RNG state for the recompute). The model has tuple activa
 from __future__ import annotations
 
 import copy
+import gc
 
 import pytest
 import torch
@@ -24,6 +25,7 @@ from lightning_pp.layout.recompute_spec import Selective, parse_bytes, parse_rec
 from lightning_pp.layout.topology import PipelineTopology, build_process_groups
 from lightning_pp.planner.recompute import plan_auto
 from lightning_pp.runtime.engine import PipelineEngine
+from lightning_pp.runtime.recompute import RecomputeOnce
 from lightning_pp.schedules import build_schedule
 
 pytestmark = pytest.mark.quick  # the quick tier: pytest -m quick
@@ -171,6 +173,15 @@ def _run(rank, case, groups_cache):
             e = rel_err(ga[k], gb[k])
             if e > out["err"]:
                 out["err"], out["worst"] = e, f"step {s} {k}"
+    # What outlives the steps: no recompute frame (each holds its region's inputs and what it
+    # recomputed) and no autograd reference to a weight (a saved tensor or an accumulator of
+    # a graph still alive). A frame's recompute hook that kept the recomputed forward's
+    # tensors leaked every frame and its graph, every step (about 1 GiB per 1,000 steps of
+    # the demo under zbv with recompute=full: benchmarks/memory_creep.py --recompute full).
+    del engine
+    gc.collect()
+    out["frames_alive"] = sum(isinstance(o, RecomputeOnce) for o in gc.get_objects())
+    out["weight_refs"] = max(p._use_count() for c in chunks for p in c.parameters())
     out.update(
         peak=(base["peak"], rc["peak"]),
         calls=(base["calls"], rc["calls"]),
@@ -225,6 +236,14 @@ def test_full_recompute_runs_each_forward_once_more(world4, case):
         split = case["schedule"] in ("zb-h1", "zbv")
         if r["blocks"] and not split:
             assert r["peak"][1] < r["peak"][0], f"rank {rank}: peak saved bytes {r['peak']}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c["id"] for c in CASES])
+def test_nothing_outlives_the_step(world4, case):
+    for rank, res in enumerate(world4):
+        r = res[case["id"]]
+        assert r["frames_alive"] == 0, f"rank {rank}: {r['frames_alive']} recompute frames alive"
+        assert r["weight_refs"] == 1, f"rank {rank}: a weight is referenced {r['weight_refs']}x"
 
 
 def test_parse_values():

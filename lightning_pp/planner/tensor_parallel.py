@@ -573,11 +573,11 @@ def sequence_saved_bytes(
         parts: list[Any] = []  # inside a keeps_part Linear: the storage of its input
         seen: dict[Any, int] = {}
 
-        def pack(t: torch.Tensor, inside=inside, parts=parts, seen=seen) -> torch.Tensor:
+        def pack(t: torch.Tensor, inside=inside, parts=parts, seen=seen) -> None:
             k = key(t) if inside[0] or parts else None
             if k is not None and (inside[0] or k[0] == parts[-1]):
                 seen[k[0]] = k[1]
-            return t
+            return None  # no backward runs: keeping ``t`` (an output) would leak the graph
 
         def enter(_m: nn.Module, args: Any, parts: list[Any] = parts) -> None:
             k = key(args[0])

@@ -429,7 +429,13 @@ class RecomputeOnce:
         args, kwargs = self._inputs()
         filled = [0]
 
-        def fill(t: torch.Tensor) -> torch.Tensor:
+        def fill(t: torch.Tensor) -> None:
+            # What this returns is what the recomputed forward's own graph keeps, and nothing
+            # ever runs that graph's backward: keep nothing. Returning ``t`` leaked every
+            # recompute: a node that saves its own output (tanh, softmax) then holds the
+            # output, whose grad_fn is that node, a cycle through C++ that no garbage
+            # collection frees, and through this hook the frame, its inputs and its graph
+            # (tests/test_recompute.py, test_nothing_outlives_the_step).
             i = filled[0]
             filled[0] += 1
             if i >= len(self.slots):
@@ -449,7 +455,6 @@ class RecomputeOnce:
                 slot.value = t.detach() if t.requires_grad else t
             if filled[0] == len(self.slots):
                 raise _StopRecompute
-            return t
 
         device_type = self._device_type or "cuda"
         with contextlib.ExitStack() as stack:

@@ -126,10 +126,13 @@ def measure_chunk(
         counted = key_fn(t) if current[0] is not None else None
         if counted is not None:
             probes[current[0]].saved[counted[0]] = counted[1]  # type: ignore[index]
+        # A detached alias, never ``t``: an output saved by its own node (a tanh's) would
+        # hold that node through its grad_fn, a cycle no garbage collection frees, and the
+        # probed graph would outlive the probe.
         if split:
-            held.append(_Saved(t, current[0], counted))
+            held.append(_Saved(t.detach(), current[0], counted))
             return held[-1]
-        return t
+        return t.detach()
 
     def pre(i: int):
         def hook(_m: nn.Module, a: tuple[Any, ...], kw: dict[str, Any]) -> None:
