@@ -60,6 +60,9 @@ TP2 = {"pp": 2, "tp": 2, "microbatches": 4, "accumulate": 1, "model": "decoder"}
 WORLD4 = [
     {"name": "tp2_1f1b", **TP2, "memory": True},
     {"name": "tp2_zbv", **TP2, "schedule": "zbv"},
+    # every layer under torch's checkpoint: its recompute stops at the last saved tensor, past
+    # the embedding's async all-reduce (waited for by collectives_waited)
+    {"name": "tp2_1f1b_recompute", **TP2, "recompute": "full"},
     # sequence parallelism: the residual stream, the norms and the P2P messages cut along the
     # sequence over tp (DecoderLM(sequence_parallel=True)); the tie across ranks, then on one
     {"name": "tp2_sp_1f1b", **TP2, "model": "decoder-sp", "memory": True},
@@ -147,6 +150,9 @@ def runs(tmp_path_factory) -> dict[str, list[dict]]:
 def test_tensor_parallel_runs_match_the_single_process_trainer(runs, reference, cfg):
     ranks = runs[cfg["name"]]
     assert mismatches(ranks, reference, REL_TOL) == []
+    # every collective DTensor launched was waited for, a recompute's included (one that
+    # stops at its last saved tensor leaves its earlier async collectives without a consumer)
+    assert [d["unwaited_collectives"] for d in ranks] == [0] * len(ranks)
     for d in ranks[1:]:  # every rank logs the very same values
         assert d["train_loss"] == ranks[0]["train_loss"]
     shape = [cfg["pp"], len(ranks) // (cfg["pp"] * cfg["tp"]), cfg["tp"]]

@@ -230,13 +230,61 @@ class _CheckpointedForward:
                 *items,
                 use_reentrant=False,
                 preserve_rng_state=True,
+                context_fn=_recompute_contexts,
             )
         return checkpoint(
-            self._forward, *args, use_reentrant=False, preserve_rng_state=True, **kwargs
+            self._forward,
+            *args,
+            use_reentrant=False,
+            preserve_rng_state=True,
+            context_fn=_recompute_contexts,
+            **kwargs,
         )
 
     def _call_packed(self, kind: type, *items: Any) -> Any:
         return self._forward(kind(items))
+
+
+def _recompute_contexts() -> tuple[Any, Any]:
+    """``torch.utils.checkpoint``'s ``context_fn``: nothing around the forward, and
+    :func:`collectives_waited` around the recompute."""
+    return contextlib.nullcontext(), collectives_waited()
+
+
+@contextlib.contextmanager
+def collectives_waited() -> Iterator[None]:
+    """Wait, on the way out, for every functional collective launched inside (what DTensor
+    issues under tensor parallelism, ``async_op=True`` for the styles' outputs).
+
+    A recompute runs a region's forward only up to the last tensor it saved (torch's
+    checkpoint and :class:`RecomputeOnce` both stop there) and throws its outputs away, so a
+    collective launched before that point (a vocabulary-parallel embedding's all-reduce, a
+    head's all-gather) may have no consumer to wait for it. torch keeps every unwaited
+    collective in its work registry (with its output) until the process ends: 4 more per
+    step of a pp2 x tp2 run with recompute, "40 unwaited collective calls" at its exit. The
+    collectives are found where torch wraps their outputs (``_maybe_wrap_tensor``); without
+    that function (another torch) nothing is tracked."""
+    import torch.distributed._functional_collectives as funcol
+
+    real = getattr(funcol, "_maybe_wrap_tensor", None)
+    if real is None:
+        yield
+        return
+    launched: list[torch.Tensor] = []
+
+    def wrap(t: torch.Tensor) -> torch.Tensor:
+        out = real(t)
+        launched.append(out)
+        return out
+
+    funcol._maybe_wrap_tensor = wrap
+    try:
+        yield
+    finally:
+        funcol._maybe_wrap_tensor = real
+        for out in launched:
+            if isinstance(out, funcol.AsyncCollectiveTensor):
+                out.trigger_wait()  # a no-op where a consumer already waited
 
 
 # -- recompute once for a split backward ----------------------------------------------------
@@ -468,6 +516,7 @@ class RecomputeOnce:
                 stack.enter_context(torch.autocast(dt, enabled=enabled, dtype=dtype))
             stack.enter_context(torch.enable_grad())
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(fill, lambda t: t))
+            stack.enter_context(collectives_waited())
             try:
                 self.fn(*args, **kwargs)
             except _StopRecompute:

@@ -301,6 +301,9 @@ def run(cfg: dict, devices: int, out: str) -> None:
         trainer.fit(model, Data(dp=dp, accumulate=cfg["accumulate"]))
     finally:
         _remove_plant()
+    # functional collectives launched and never waited (torch keeps each, with its output,
+    # until the process ends), counted in this process so far
+    unwaited = torch._C._distributed_c10d._get_work_registry_size()
 
     layers = model.layers
     meta_counts = layers.layer_param_counts()
@@ -321,6 +324,7 @@ def run(cfg: dict, devices: int, out: str) -> None:
         os.path.join(out, f"{name}.rank{rank}.json"),
         {
             "rank": rank,
+            "unwaited_collectives": unwaited,
             "pp_rank": strategy.topology.pp_rank,
             "dp_rank": strategy.topology.dp_rank,
             "dp": strategy.topology.dp,
