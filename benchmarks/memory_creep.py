@@ -11,6 +11,7 @@ growth between the last two points is ``--limit-mib`` or more on any process. Us
     python benchmarks/memory_creep.py --tree /work/main        # another checkout's lightning_pp
     python benchmarks/memory_creep.py --no-summary --every 100 # without the summary callbacks
     python benchmarks/memory_creep.py --schedules zbv --recompute full  # every layer recomputed
+    python benchmarks/memory_creep.py --schedules zbv --set strategy.zero=1  # any override
 
 Each run is a subprocess in a session of its own with a timeout that kills its whole process
 tree. ``--tree`` runs another checkout's package (its ``lightning_pp`` first on ``PYTHONPATH``):
@@ -141,6 +142,7 @@ def run_schedule(schedule: str, args: argparse.Namespace) -> dict[str, Any]:
         overrides += [f"strategy.schedule={schedule}", f"trainer.max_steps={args.steps}"]
         if args.recompute:
             overrides.append(f"strategy.recompute={args.recompute}")
+        overrides += args.set
         if schedule == "zbv":
             overrides.append("strategy.vpp=2")
         cmd = [sys.executable, "-m", "lightning_pp", "fit", str(config), *overrides]
@@ -216,6 +218,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--recompute", help="strategy.recompute for every run (e.g. full): recompute's frames"
+    )
+    p.add_argument(
+        "--set",
+        nargs="+",
+        default=[],
+        metavar="KEY=VALUE",
+        help="more overrides, e.g. strategy.zero=1",
     )
     p.add_argument("--limit-mib", type=float, default=10.0)
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per schedule")
