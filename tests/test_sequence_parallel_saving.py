@@ -20,11 +20,15 @@ unsharded in one process, on the same batch:
 from __future__ import annotations
 
 import copy
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 from worlds import world
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))  # pp_common
 
 pytestmark = pytest.mark.quick  # the quick tier: pytest -m quick (a 2-rank world, seconds)
 
@@ -186,3 +190,97 @@ def test_an_untagged_input_is_computed_as_colwise_parallel_and_said_once():
         assert err <= 1e-6
         assert len(said) == 1 and "carries no GatherSequence tag" in said[0], said
         assert "Linear(16, 32)" in said[0] and "(2, 8, 16)" in said[0], said
+
+
+def _collectives_case(rank: int, size: int) -> dict:
+    """Each layer of a sequence-parallel DecoderLM at tp2 through one forward and a fused
+    backward, counting the functional collectives DTensor and the regather launch (the outer
+    call only: all_gather_tensor calls all_gather_single) and the whole bytes each moves."""
+    import torch.distributed._functional_collectives as funcol
+    from pp_common import MODEL_KW
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from lightning_pp.models.decoder import DecoderLM
+
+    torch.manual_seed(0)
+    model = DecoderLM(**MODEL_KW, sequence_parallel=True)
+    model.configure_model()
+    pipeline = model.pipeline_layers()
+    layers = [pipeline[i] for i in range(pipeline.num_layers)]
+    mesh = DeviceMesh("cpu", list(range(size)))
+    for i, layer in enumerate(layers):
+        model.pipeline_tensor_parallel(layer, i, mesh)
+    phase, depth = ["F"], [0]
+    counted: dict[str, list[int]] = {"F": [], "B": []}
+    names = ("all_reduce", "all_gather_tensor", "all_gather_single", "reduce_scatter_tensor")
+    names += ("reduce_scatter_single",)
+    real = {n: getattr(funcol, n) for n in names}
+
+    def wrap(name: str):
+        def call(t, *args, **kwargs):
+            if depth[0]:
+                return real[name](t, *args, **kwargs)
+            depth[0] += 1
+            try:
+                out = real[name](t, *args, **kwargs)
+            finally:
+                depth[0] -= 1
+            whole = t.numel() * t.element_size() * (size if "gather" in name else 1)
+            # in halves: an all-gather or a reduce-scatter is one, an all-reduce two
+            counted[phase[0]] += [whole] * (2 if name == "all_reduce" else 1)
+            return out
+
+        return call
+
+    for n in names:
+        setattr(funcol, n, wrap(n))
+    out = []
+    try:
+        x = torch.randint(0, MODEL_KW["vocab_size"], (2, MODEL_KW["block_size"]))
+        for layer in layers:
+            counted["F"], counted["B"] = [], []
+            phase[0] = "F"
+            y = layer(x)
+            phase[0] = "B"
+            y.backward(torch.ones_like(y))
+            out.append({"F": sorted(counted["F"]), "B": sorted(counted["B"])})
+            x = y.detach().requires_grad_()
+    finally:
+        for n in names:
+            setattr(funcol, n, real[n])
+    return {"layers": out}
+
+
+def test_the_planners_collectives_are_the_ones_a_sequence_parallel_layer_runs():
+    """The planner's tp collectives of each DecoderLM layer under sequence parallelism
+    (``tensor_parallel.tp_layers``, in halves: an all-gather or a reduce-scatter one, an
+    all-reduce two, each of its whole bytes) against what one forward and backward of the
+    real layer at tp2 launch: the same halves of the same bytes, forward and backward (per
+    block 2 + 2 and 4 + 2; before, the planner counted an all-reduce per projection), the
+    position table's gradient gathered once per microbatch, whatever the batch."""
+    from pp_common import MODEL_KW
+
+    from lightning_pp.models.decoder import DecoderLM
+    from lightning_pp.planner.meta_profile import meta_layers
+    from lightning_pp.planner.tensor_parallel import record_tp_styles, tp_layers
+
+    with torch.device("meta"):
+        model = DecoderLM(**MODEL_KW, sequence_parallel=True)
+        model.configure_model()
+    layers = meta_layers(model)
+    styles = record_tp_styles(model, layers, TP)
+    assert styles is not None
+    x0 = torch.zeros(1, MODEL_KW["block_size"], dtype=torch.long, device="meta")
+    shares = tp_layers(layers, styles, x0, TP)
+    measured = world("gloo", TP).run(_collectives_case)[0]["layers"]
+    assert len(measured) == len(shares) == MODEL_KW["n_layer"] + 2  # embedding, blocks, head
+
+    def halves(all_reduce: tuple[int, ...], half: tuple[int, ...], fixed=()) -> list[int]:
+        # per sample in the plan (the measured batch has 2 samples), ``fixed`` per microbatch
+        return sorted([*(2 * b for b in [*all_reduce, *all_reduce, *half]), *fixed])
+
+    for i, (share, got) in enumerate(zip(shares, measured)):
+        assert halves(share.fwd_all_reduce, share.all_gather) == got["F"], (i, share, got)
+        bwd = halves(share.bwd_all_reduce, share.bwd_all_gather, share.bwd_all_gather_fixed)
+        assert bwd == got["B"], (i, share, got)
+    assert len(measured[1]["F"]) == 4 and len(measured[1]["B"]) == 6, measured[1]

@@ -146,8 +146,10 @@ def model_tp_sizes(module: Any) -> TpSizes:
 
 @dataclass(frozen=True)
 class TpStyle:
-    """One module's tensor-parallel style: ``colwise``, ``rowwise`` or ``sequence`` (a norm
-    under sequence parallelism: torch's ``SequenceParallel``); ``gathered``: a column-wise
+    """One module's tensor-parallel style: ``colwise``, ``rowwise``, ``sequence`` (a norm
+    under sequence parallelism: torch's ``SequenceParallel``) or ``rows`` (an output with no
+    batch dim, a position table's, cut by rows to the rank's positions: its gradient is
+    all-gathered in backward, once per microbatch whatever its size); ``gathered``: a column-wise
     output all-gathered back to whole (``output_layouts=Replicate()``); ``seq_out``: a
     row-wise output reduce-scattered along the sequence (``output_layouts=Shard(1)``), so what
     leaves it holds ``T / tp`` positions."""
@@ -176,6 +178,7 @@ def _style_of(style: Any) -> TpStyle | None:
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
+        PrepareModuleOutput,
         RowwiseParallel,
         SequenceParallel,
     )
@@ -189,6 +192,10 @@ def _style_of(style: Any) -> TpStyle | None:
         return TpStyle("rowwise", seq_out=any(isinstance(p, Shard) and p.dim == 1 for p in layouts))
     if isinstance(style, SequenceParallel):
         return TpStyle("sequence")
+    if isinstance(style, PrepareModuleOutput):
+        wanted = getattr(style, "desired_output_layouts", ())
+        if any(isinstance(p, Shard) and p.dim == 0 for p in wanted if p is not None):
+            return TpStyle("rows")  # a batch-free output (a position table's) cut by rows
     return None
 
 
@@ -252,6 +259,8 @@ def record_tp_styles(
 
 def _shard_dims(module: nn.Module, style: TpStyle) -> dict[str, int]:
     """Which parameter of ``module`` is cut on which dim under ``style``."""
+    if style.kind not in ("colwise", "rowwise"):
+        return {}  # a norm's or a cut output's style leaves the weights whole
     if isinstance(module, nn.Linear):
         return {"weight": 0, "bias": 0} if style.kind == "colwise" else {"weight": 1}
     if isinstance(module, nn.Embedding):
@@ -346,9 +355,14 @@ class TpLayer:
     """One layer at ``tp``, relative to the whole layer, from the meta model (one sample):
     ``params`` / ``full_params`` its trainable elements on one tp rank and whole;
     ``saved_ratio`` its saved activations on one tp rank over whole; the bytes per sample of
-    each collective of one forward and backward: ``fwd_all_reduce`` (a row-wise output's
-    partial sums), ``bwd_all_reduce`` (a column-wise input gradient's partial sums),
-    ``all_gather`` (a gathered column-wise output, whole size)."""
+    each collective of one forward and backward, whole size: ``fwd_all_reduce`` (a row-wise
+    output's partial sums), ``bwd_all_reduce`` (a column-wise input gradient's partial sums),
+    ``all_gather`` (forward: a gathered column-wise output; under sequence parallelism also a
+    norm's gathered output and a row-wise output's reduce-scatter, which costs the same),
+    ``bwd_all_gather`` (backward, sequence parallelism: the reduce-scatter of a norm's
+    gathered input gradient, the all-gather of a row-wise output's gradient, the regather of
+    a ``keeps_part`` input), ``bwd_all_gather_fixed`` (the same for a ``rows`` output: bytes
+    per microbatch)."""
 
     tp: int
     params: int
@@ -357,6 +371,9 @@ class TpLayer:
     fwd_all_reduce: tuple[int, ...] = ()
     bwd_all_reduce: tuple[int, ...] = ()
     all_gather: tuple[int, ...] = ()
+    bwd_all_gather: tuple[int, ...] = ()
+    #: backward all-gathers of a ``rows`` output: whole bytes per microbatch, not per sample
+    bwd_all_gather_fixed: tuple[int, ...] = ()
     #: sequence parallelism: the layer's input / output holds ``T / tp`` positions (see
     #: :func:`sequence_cuts`)
     input_cut: bool = False
@@ -386,20 +403,35 @@ class TpLayer:
             return k * b * samples / bandwidth + n * latency_s
 
         fwd = sum(map(reduce, self.fwd_all_reduce)) + sum(map(gather, self.all_gather))
-        return fwd, sum(map(reduce, self.bwd_all_reduce))
+        bwd = sum(map(reduce, self.bwd_all_reduce)) + sum(map(gather, self.bwd_all_gather))
+        bwd += sum(k * b / bandwidth + n * latency_s for b in self.bwd_all_gather_fixed)
+        return fwd, bwd
 
 
 def _collective_bytes(
     layer: nn.Module, styles: Mapping[str, TpStyle], args: tuple[Any, ...]
-) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
-    """(forward all-reduce, backward all-reduce, all-gather) bytes of one forward and
+) -> tuple[tuple[int, ...], ...]:
+    """(forward all-reduce, backward all-reduce, forward all-gather, backward all-gather,
+    backward all-gather per microbatch) bytes (:class:`TpLayer`'s fields) of one forward and
     backward of the whole ``layer`` on ``args`` (meta), read from the styled modules' inputs
-    and outputs."""
+    and outputs.
+
+    Under sequence parallelism (a ``sequence``-styled norm in the layer) the all-reduces
+    become halves: a norm's output is all-gathered (its input gradient reduce-scattered), a
+    row-wise output reduce-scattered (its gradient all-gathered), the projections' input
+    gradients are summed as partial sums and leave through the norm's reduce-scatter, and a
+    ``keeps_part`` input is all-gathered again in backward, once per norm output (q, k and v
+    share it): per block 2 + 2 forward and 4 + 2 backward, as ``tests/
+    test_sequence_parallel_saving.py`` counts them on a real block."""
     from .meta_profile import FlashAttentionOnMeta
 
     fwd: list[int] = []
     bwd: list[int] = []
     gather: list[int] = []
+    bwd_gather: list[int] = []
+    fixed: list[int] = []
+    sequence = any(st.kind == "sequence" for st in styles.values())
+    regathered: list[torch.Tensor] = []  # held: an id alone could be a freed one's, reused
 
     def nbytes(t: Any) -> int:
         t = t[0] if isinstance(t, (tuple, list)) else t
@@ -407,21 +439,35 @@ def _collective_bytes(
 
     def hook_for(mod: nn.Module, style: TpStyle) -> Any:
         def hook(_m: nn.Module, inputs: Any, out: Any) -> None:
-            if style.kind == "sequence":
-                # a norm's gather (and its reduce-scatter backward) is not counted; under
-                # sequence parallelism the projections' all-reduces counted here are each an
-                # all-gather and a reduce-scatter of the same bytes: an upper bound, which also
-                # covers the backward's regather of a keeps_part input (per block, 4 counted
-                # all-reduces of B x T x C against 2 reduce-scatters and 4 all-gathers)
+            if style.kind == "rows":  # cut locally; its gradient gathered whole
+                fixed.append(nbytes(out))
+                return
+            if style.kind == "sequence":  # its output gathered whole, its gradient scattered
+                gather.append(nbytes(out))
+                bwd_gather.append(nbytes(out))
                 return
             if style.kind == "rowwise":
-                fwd.append(nbytes(out))  # partial sums -> whole
+                if style.seq_out:  # partial sums reduce-scattered; the gradient gathered
+                    gather.append(nbytes(out))
+                    bwd_gather.append(nbytes(out))
+                else:
+                    fwd.append(nbytes(out))  # partial sums -> whole
                 return
             if isinstance(mod, nn.Embedding):
                 gather.append(nbytes(out))
                 return
-            if inputs and isinstance(inputs[0], torch.Tensor) and inputs[0].is_floating_point():
+            floating = inputs and isinstance(inputs[0], torch.Tensor)
+            floating = floating and inputs[0].is_floating_point()
+            if floating and not sequence:
                 bwd.append(nbytes(inputs))  # the input gradient's partial sums
+            if (
+                floating
+                and sequence
+                and style.keeps_part
+                and not any(inputs[0] is t for t in regathered)
+            ):
+                regathered.append(inputs[0])
+                bwd_gather.append(nbytes(inputs))  # the kept part gathered again
             if style.gathered:
                 gather.append(nbytes(out))
 
@@ -437,7 +483,7 @@ def _collective_bytes(
     finally:
         for h in handles:
             h.remove()
-    return tuple(fwd), tuple(bwd), tuple(gather)
+    return tuple(fwd), tuple(bwd), tuple(gather), tuple(bwd_gather), tuple(fixed)
 
 
 def tp_layers(
@@ -473,7 +519,7 @@ def tp_layers(
     for i, (layer, s, w, loc, args, seq) in enumerate(
         zip(layers, styles, whole, local, inputs, cuts)
     ):
-        comm = _collective_bytes(layer, s, args) if tp > 1 else ((), (), ())
+        comm = _collective_bytes(layer, s, args) if tp > 1 else ((),) * 5
         # sequence parallelism: the norms save T / tp positions (see cut_along_sequence)
         saved = loc.saved_bytes - _norm_saving(norms[i], tp)
         ratio = saved / w.saved_bytes if w.saved_bytes else 1.0
