@@ -46,6 +46,9 @@ START_TIMEOUT = 400.0  # a loaded 2-core machine needs minutes to import torch i
 def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
     return {
         **os.environ,
+        # Lightning's launcher would pick one with bind(0), from the ephemeral range other
+        # jobs' connections draw from too (EADDRINUSE once in CI); a case may set its own
+        "MASTER_PORT": str(free_port()),
         "OMP_NUM_THREADS": "1",
         "PYTHONUNBUFFERED": "1",
         "PYTHONPATH": os.pathsep.join([str(SCRIPTS), os.environ.get("PYTHONPATH", "")]),

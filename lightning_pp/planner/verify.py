@@ -35,6 +35,7 @@ import datetime as _dt
 import multiprocessing as mp
 import os
 import queue as queue_mod
+import random
 import signal
 import socket
 import statistics
@@ -84,10 +85,43 @@ class WorldFailure(RuntimeError):
 
 
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (for a world's rendezvous)."""
+    """A TCP port free on 127.0.0.1 now (for a world's rendezvous), from below the kernel's
+    ephemeral range where there is one.
+
+    A port the kernel hands out for ``bind(0)`` comes from the ephemeral range, which every
+    outgoing connection draws from too (gloo opens one per pair of ranks), so between choosing
+    the port and listening on it another process could take it: a job's store then failed
+    with EADDRINUSE on such a port (35127) in a CI run with other jobs beside it. Nothing is
+    handed out below the range unless asked for by number.
+
+    Example:
+        >>> 1024 <= free_port() < 65536
+        True
+    """
+    low = _ephemeral_low()
+    if low > _FIRST_PORT:
+        for port in random.Random().sample(range(_FIRST_PORT, low), 64):
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+_FIRST_PORT = 20000  # above the registered services most machines run
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux), 0 where unknown."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def _child(
