@@ -10,8 +10,7 @@ growth between the last two points is ``--limit-mib`` or more on any process. Us
     python benchmarks/memory_creep.py --schedules zbv --steps 400 --at 100 200 400
     python benchmarks/memory_creep.py --tree /work/main        # another checkout's lightning_pp
     python benchmarks/memory_creep.py --no-summary --every 100 # without the summary callbacks
-    python benchmarks/memory_creep.py --schedules zbv --recompute full  # every layer recomputed
-    python benchmarks/memory_creep.py --schedules zbv --set strategy.zero=1  # any override
+    python benchmarks/memory_creep.py --schedules zbv --set strategy.recompute=full  # overrides
 
 Each run is a subprocess in a session of its own with a timeout that kills its whole process
 tree. ``--tree`` runs another checkout's package (its ``lightning_pp`` first on ``PYTHONPATH``):
@@ -140,8 +139,6 @@ def run_schedule(schedule: str, args: argparse.Namespace) -> dict[str, Any]:
         config = _config(work, schedule, args)
         overrides = [f"{k}={v}" for k, v in SHRUNK.items()]
         overrides += [f"strategy.schedule={schedule}", f"trainer.max_steps={args.steps}"]
-        if args.recompute:
-            overrides.append(f"strategy.recompute={args.recompute}")
         overrides += args.set
         if schedule == "zbv":
             overrides.append("strategy.vpp=2")
@@ -215,9 +212,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-summary", action="store_true", help="fit --no-summary")
     p.add_argument(
         "--gc-collect", action="store_true", help="diagnosis: gc.collect() after every step"
-    )
-    p.add_argument(
-        "--recompute", help="strategy.recompute for every run (e.g. full): recompute's frames"
     )
     p.add_argument(
         "--set",

@@ -177,7 +177,7 @@ def _run(rank, case, groups_cache):
     # recomputed) and no autograd reference to a weight (a saved tensor or an accumulator of
     # a graph still alive). A frame's recompute hook that kept the recomputed forward's
     # tensors leaked every frame and its graph, every step (about 1 GiB per 1,000 steps of
-    # the demo under zbv with recompute=full: benchmarks/memory_creep.py --recompute full).
+    # the demo under zbv: benchmarks/memory_creep.py --set strategy.recompute=full).
     del engine
     gc.collect()
     out["frames_alive"] = sum(isinstance(o, RecomputeOnce) for o in gc.get_objects())

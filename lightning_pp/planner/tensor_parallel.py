@@ -456,18 +456,13 @@ def _collective_bytes(
             if isinstance(mod, nn.Embedding):
                 gather.append(nbytes(out))
                 return
-            floating = inputs and isinstance(inputs[0], torch.Tensor)
-            floating = floating and inputs[0].is_floating_point()
-            if floating and not sequence:
-                bwd.append(nbytes(inputs))  # the input gradient's partial sums
-            if (
-                floating
-                and sequence
-                and style.keeps_part
-                and not any(inputs[0] is t for t in regathered)
-            ):
-                regathered.append(inputs[0])
-                bwd_gather.append(nbytes(inputs))  # the kept part gathered again
+            x = inputs[0] if inputs and isinstance(inputs[0], torch.Tensor) else None
+            if x is not None and x.is_floating_point():
+                if not sequence:
+                    bwd.append(nbytes(x))  # the input gradient's partial sums
+                elif style.keeps_part and not any(x is t for t in regathered):
+                    regathered.append(x)
+                    bwd_gather.append(nbytes(x))  # the kept part gathered again
             if style.gathered:
                 gather.append(nbytes(out))
 
