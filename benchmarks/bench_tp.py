@@ -338,13 +338,13 @@ def run_variant(v: Variant, spec: Spec, steps: int) -> list[dict[str, Any]]:
     clock = StepClock()
     strategy = PipelineStrategy(pp=v.pp, tp=v.tp, microbatches=MICROBATCHES, schedule="1f1b")
     trainer = make_trainer(strategy, WORLD, steps, [clock])
-    with _torch_colwise(v.keep_gathered):
+    with torch_colwise(v.keep_gathered):
         trainer.fit(make_model(spec.size, steps, v.sp), make_data(spec.size, steps, v.dp))
     return clock.rows
 
 
 @contextmanager
-def _torch_colwise(on: bool) -> Iterator[None]:
+def torch_colwise(on: bool) -> Iterator[None]:
     """``DecoderLM``'s sequence-parallel plan with torch's ``ColwiseParallel`` in place of
     ``ColwiseFromSequence`` (the plan imports the name when the strategy applies it)."""
     from torch.distributed.tensor.parallel import ColwiseParallel

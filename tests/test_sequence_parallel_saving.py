@@ -42,7 +42,7 @@ def _block_case(rank: int, size: int, backward: str, style: str) -> dict:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor
 
-    from lightning_pp.models import sequence_parallel as sp
+    from benchmarks.bench_tp import torch_colwise
     from lightning_pp.models.decoder import DecoderBlock, _sequence_parallel
     from lightning_pp.runtime.split_backward import backward_input
 
@@ -50,15 +50,8 @@ def _block_case(rank: int, size: int, backward: str, style: str) -> dict:
     ref = DecoderBlock(C, HEADS, 0.0, 2)
     block = copy.deepcopy(ref)
     mesh = DeviceMesh("cpu", list(range(size)))
-    saved_style = sp.ColwiseFromSequence
-    if style == "torch":  # torch's own column-wise style, for the bytes it saves
-        from torch.distributed.tensor.parallel import ColwiseParallel
-
-        sp.ColwiseFromSequence = ColwiseParallel  # type: ignore[misc]
-    try:
+    with torch_colwise(style == "torch"):  # torch's own column-wise style, for its bytes
         _sequence_parallel(block, 1, mesh)
-    finally:
-        sp.ColwiseFromSequence = saved_style  # type: ignore[misc]
     x = torch.randn(B, T, C)
     g = torch.randn(B, T, C)
     x_ref = x.clone().requires_grad_()
